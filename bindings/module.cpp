@@ -1,0 +1,146 @@
+// qla._C: a thin nanobind layer over the C++ core. It takes raw pointers and
+// strides (no PyTorch headers), so one build works with any torch. Tensors are
+// described by the Python side as (data_ptr, dtype_code, stride0, stride1, stride2).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/string.h>
+
+#include <array>
+#include <cstdint>
+
+#include "backends.h"
+#include "qla/qla.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Desc = std::array<int64_t, 5>;  // data_ptr, dtype, stride0, stride1, stride2
+using Shape = std::array<int64_t, 6>;  // B, T, H, HV, K, V
+
+qla::TensorRef in(const Desc& d) {
+  qla::TensorRef r;
+  r.data = reinterpret_cast<const void*>(static_cast<uintptr_t>(d[0]));
+  r.dtype = static_cast<qla::DType>(d[1]);
+  r.stride[0] = d[2];
+  r.stride[1] = d[3];
+  r.stride[2] = d[4];
+  return r;
+}
+
+qla::MutTensorRef out(const Desc& d) {
+  qla::MutTensorRef r;
+  r.data = reinterpret_cast<void*>(static_cast<uintptr_t>(d[0]));
+  r.dtype = static_cast<qla::DType>(d[1]);
+  r.stride[0] = d[2];
+  r.stride[1] = d[3];
+  r.stride[2] = d[4];
+  return r;
+}
+
+qla::GdnShape shape_of(const Shape& s) { return {s[0], s[1], s[2], s[3], s[4], s[5]}; }
+
+// Status -> Python exception: bad arguments are ValueError, the rest RuntimeError.
+void raise_if_error(const qla::Status& s) {
+  if (s.ok()) return;
+  if (s.code() == qla::StatusCode::kInvalidArgument || s.code() == qla::StatusCode::kNotSupported)
+    throw nb::value_error(s.message().c_str());
+  throw std::runtime_error(s.message());
+}
+
+qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g,
+                                     const Desc& beta, const Desc& h0, const Desc& cu, int64_t num_seqs,
+                                     const Desc& o, const Desc& ht, double scale, int layout, int device,
+                                     uintptr_t stream, uintptr_t workspace, size_t workspace_bytes) {
+  qla::GdnForwardParams p;
+  p.shape = shape_of(shape);
+  p.q = in(q);
+  p.k = in(k);
+  p.v = in(v);
+  p.g = in(g);
+  p.beta = in(beta);
+  p.initial_state = in(h0);
+  p.cu_seqlens = in(cu);
+  p.num_seqs = num_seqs;
+  p.o = out(o);
+  p.final_state = out(ht);
+  p.scale = static_cast<float>(scale);
+  p.state_layout = static_cast<qla::StateLayout>(layout);
+  p.device = static_cast<qla::Device>(device);
+  p.stream = reinterpret_cast<void*>(stream);
+  p.workspace = reinterpret_cast<void*>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  return p;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "QLA core binding (pointers and strides; see qla/_ops.py)";
+  m.def("version", [] { return std::string(qla::version()); });
+  m.def("cuda_compiled", [] { return qla::sm90::compiled(); });
+
+  m.def(
+      "forward_workspace_size",
+      [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
+         const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
+         int device) {
+        auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, 0, 0, 0);
+        size_t bytes = 0;
+        raise_if_error(qla::gdn_forward_workspace_size(p, &bytes));
+        return bytes;
+      });
+
+  m.def(
+      "forward",
+      [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
+         const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
+         int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads) {
+        auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
+                                workspace, workspace_bytes);
+        p.num_threads = num_threads;
+        qla::Status s;
+        {
+          nb::gil_scoped_release release;  // the CPU backend runs for long; let other threads go
+          s = qla::gdn_forward(p);
+        }
+        raise_if_error(s);
+      });
+
+  m.def(
+      "backward",
+      [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
+         const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
+         const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
+         int device, uintptr_t stream, int num_threads) {
+        qla::GdnBackwardParams p;
+        p.shape = shape_of(shape);
+        p.q = in(q);
+        p.k = in(k);
+        p.v = in(v);
+        p.g = in(g);
+        p.beta = in(beta);
+        p.initial_state = in(h0);
+        p.cu_seqlens = in(cu);
+        p.num_seqs = num_seqs;
+        p.d_o = in(d_o);
+        p.d_final_state = in(dht);
+        p.dq = out(dq);
+        p.dk = out(dk);
+        p.dv = out(dv);
+        p.dg = out(dg);
+        p.dbeta = out(dbeta);
+        p.d_initial_state = out(dh0);
+        p.scale = static_cast<float>(scale);
+        p.state_layout = static_cast<qla::StateLayout>(layout);
+        p.device = static_cast<qla::Device>(device);
+        p.stream = reinterpret_cast<void*>(stream);
+        p.num_threads = num_threads;
+        qla::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = qla::gdn_backward(p);
+        }
+        raise_if_error(s);
+      });
+}

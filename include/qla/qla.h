@@ -1,0 +1,173 @@
+// QLA: Gated DeltaNet (GDN) chunked-prefill forward and backward.
+//
+// The C++ core is framework-free. Callers pass raw pointers, element strides,
+// shapes, dtypes and (for CUDA) a stream. The core never allocates device memory
+// behind the caller's back: query the workspace size, allocate it, pass it in.
+// Every entry point returns a Status; nothing aborts the process.
+//
+// The operator (one sequence, one value head; see docs/design.md):
+//   S'_t = exp(g_t) S_{t-1}
+//   u_t  = beta_t (v_t - S'_t^T k_t)
+//   S_t  = S'_t + k_t u_t^T
+//   o_t  = scale S_t^T q_t
+// with S a K x V matrix, S_0 the initial state (zeros if none), S_T the final state.
+//
+// Tensor conventions (FLA-compatible):
+//   q, k            [B, T, H,  K]
+//   v, o            [B, T, HV, V]     HV a multiple of H; value head i reads q/k head i / (HV/H)
+//   g, beta         [B, T, HV]
+//   initial/final   [N, HV, K, V]     (or [N, HV, V, K] with StateLayout::kVK), fp32
+//   cu_seqlens      [N + 1]           int32 or int64, requires B == 1
+// N = B without cu_seqlens, N = num_seqs with it.
+// Strides are in elements. The last dimension of every tensor must be contiguous
+// (stride 1); every other stride is free (so slices of a fused projection work).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace qla {
+
+// ---------------------------------------------------------------------------
+// Status: ok, or an error code with a message naming the argument at fault.
+// ---------------------------------------------------------------------------
+enum class StatusCode : int {
+  kOk = 0,
+  kInvalidArgument = 1,  // a shape, stride, dtype or pointer is wrong
+  kNotSupported = 2,     // valid, but this backend cannot run it (e.g. K != 128 on sm90)
+  kCudaError = 3,        // a CUDA runtime call failed
+  kInternal = 4,
+};
+
+class Status {
+ public:
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status Error(StatusCode code, std::string message) {
+    Status s;
+    s.code_ = code;
+    s.message_ = std::move(message);
+    return s;
+  }
+  bool ok() const { return code_ == StatusCode::kOk; }
+  StatusCode code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+// Element types. Values are stable (the Python binding passes them as ints).
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3, kInt32 = 4, kInt64 = 5 };
+const char* dtype_name(DType d);
+
+// Layout of the K x V state matrix of one (sequence, value head).
+enum class StateLayout : int {
+  kKV = 0,  // [.., K, V]: FLA's default
+  kVK = 1,  // [.., V, K]: state_v_first
+};
+
+// Where the tensors live. kCuda picks the sm90 backend (compute capability 9.x).
+enum class Device : int { kCpu = 0, kCuda = 1 };
+
+// A strided view of one tensor. Strides are in elements; the last dimension is
+// contiguous (stride 1) and is not stored. Unused trailing entries are ignored.
+struct TensorRef {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t stride[3] = {0, 0, 0};  // strides of the leading dimensions, outermost first
+};
+
+// A writable strided view (outputs).
+struct MutTensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t stride[3] = {0, 0, 0};
+};
+
+// Shapes and options common to forward and backward.
+struct GdnShape {
+  int64_t batch = 0;         // B
+  int64_t seqlen = 0;        // T (per batch row; the packed length with cu_seqlens)
+  int64_t num_qk_heads = 0;  // H
+  int64_t num_v_heads = 0;   // HV, a multiple of H
+  int64_t head_dim_k = 0;    // K
+  int64_t head_dim_v = 0;    // V
+};
+
+struct GdnForwardParams {
+  GdnShape shape;
+
+  // Inputs. q, k: 4-D [B, T, H, K] (stride = {b, t, h}); v: [B, T, HV, V];
+  // g, beta: 3-D [B, T, HV] (stride = {b, t}, last dim contiguous).
+  TensorRef q, k, v, g, beta;
+
+  // Optional initial state (data == nullptr: zeros). fp32 (fp64 allowed with fp64 inputs), 4-D [N, HV, K, V] or
+  // [N, HV, V, K]; stride = {n, hv, row} (the innermost dimension contiguous).
+  TensorRef initial_state;
+
+  // Optional varlen boundaries (data == nullptr: none). int32 or int64, [num_seqs + 1],
+  // contiguous. Requires batch == 1. For Device::kCuda the pointer is a device pointer;
+  // the CPU copy (cu_seqlens_host) is optional and only used for validation/planning if given.
+  TensorRef cu_seqlens;
+  int64_t num_seqs = 0;                     // N when cu_seqlens is given
+  const int64_t* cu_seqlens_host = nullptr; // optional host copy (N + 1 entries)
+
+  // Outputs. o: [B, T, HV, V], dtype of q. final_state (optional, data == nullptr: not
+  // written): fp32, same layout rules as initial_state.
+  MutTensorRef o;
+  MutTensorRef final_state;
+
+  float scale = 0.0f;  // multiplies the read; callers usually pass K^-0.5
+  StateLayout state_layout = StateLayout::kKV;
+
+  Device device = Device::kCpu;
+  void* stream = nullptr;       // cudaStream_t for Device::kCuda
+  void* workspace = nullptr;    // gdn_forward_workspace_size() bytes, device memory for kCuda
+  size_t workspace_bytes = 0;
+  int num_threads = 0;          // CPU backend: 0 = all hardware threads
+};
+
+struct GdnBackwardParams {
+  GdnShape shape;
+
+  // Forward inputs (as in GdnForwardParams) and the incoming gradients.
+  TensorRef q, k, v, g, beta;
+  TensorRef initial_state;   // optional
+  TensorRef cu_seqlens;      // optional
+  int64_t num_seqs = 0;
+  const int64_t* cu_seqlens_host = nullptr;
+  TensorRef d_o;             // [B, T, HV, V], dtype of q
+  TensorRef d_final_state;   // optional (nullptr: zero), fp32, layout of the state
+
+  // Outputs. dq, dk: [B, T, H, K] (summed over each value-head group), dtype of q;
+  // dv: [B, T, HV, V], dtype of q; dg, dbeta: [B, T, HV], any float dtype;
+  // d_initial_state: optional (nullptr: not written), fp32, layout of the state.
+  MutTensorRef dq, dk, dv, dg, dbeta;
+  MutTensorRef d_initial_state;
+
+  float scale = 0.0f;
+  StateLayout state_layout = StateLayout::kKV;
+
+  Device device = Device::kCpu;
+  void* stream = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int num_threads = 0;
+};
+
+// Checks every argument and returns the workspace the call needs (0 on the CPU backend).
+Status gdn_forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
+Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
+
+// Runs the operator. On Device::kCuda the call is asynchronous on p.stream and does not
+// synchronise the host (it can be captured in a CUDA graph).
+Status gdn_forward(const GdnForwardParams& p);
+Status gdn_backward(const GdnBackwardParams& p);
+
+// Library version string.
+const char* version();
+
+}  // namespace qla

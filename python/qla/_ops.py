@@ -1,0 +1,178 @@
+"""torch.library custom ops over the C++ core (qla._C).
+
+Two ops, ``qla::gdn_fwd`` and ``qla::gdn_bwd``, with fake (meta) implementations so
+that torch.compile traces them without a graph break, and autograd wiring the
+backward op to the forward. Preprocessing (l2norm, gate, beta sigmoid) is not here:
+it is plain torch in qla/api.py, so its gradients come from torch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C
+
+_DTYPE_CODE = {
+    torch.float16: 0,
+    torch.bfloat16: 1,
+    torch.float32: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+}
+_NONE = (0, 2, 0, 0, 0)
+
+
+def _desc(t: Optional[torch.Tensor]) -> tuple:
+    """(data_ptr, dtype code, leading strides...) as the binding expects."""
+    if t is None:
+        return _NONE
+    st = t.stride()
+    lead = st[:-1]
+    if len(lead) < 3:  # right-align: 3-D [B,T,HV] tensors use stride0/1 and a unit head stride
+        lead = tuple(lead) + (0,) * (3 - len(lead))
+    elif len(lead) > 3:  # 4-D state [N,HV,R,C]: strides of N, HV, row
+        lead = lead[-3:]
+    return (t.data_ptr(), _DTYPE_CODE[t.dtype], lead[0], lead[1], lead[2])
+
+
+def _device_args(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return 1, torch.cuda.current_stream(t.device).cuda_stream
+    return 0, 0
+
+
+def state_dtype(q: torch.Tensor) -> torch.dtype:
+    """States (final state, dh0) are fp32, fp64 for fp64 inputs."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _num_seqs(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _state_shape(q, v, n, state_v_first):
+    K, V = q.shape[-1], v.shape[-1]
+    return (n, v.shape[2], V, K) if state_v_first else (n, v.shape[2], K, V)
+
+
+@torch.library.custom_op("qla::gdn_fwd", mutates_args=())
+def gdn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    output_final_state: bool,
+    state_v_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    n = _num_seqs(q, cu_seqlens)
+    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    if output_final_state:
+        ht = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
+    else:
+        ht = q.new_empty((0,), dtype=torch.float32)
+    device, stream = _device_args(q)
+    shape = (B, T, H, HV, K, V)
+    dq, dk, dv, dg, dbeta = _desc(q), _desc(k), _desc(v), _desc(g), _desc(beta)
+    dh0, dcu, do_, dht = _desc(initial_state), _cu_desc(cu_seqlens), _desc(o), _desc(ht if output_final_state else None)
+    layout = 1 if state_v_first else 0
+    ws_ptr, ws_bytes, ws = 0, 0, None
+    if device == 1:
+        ws_bytes = _C.forward_workspace_size(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout, device)
+        if ws_bytes:
+            ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=q.device)
+            ws_ptr = ws.data_ptr()
+    _C.forward(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout, device, stream, ws_ptr, ws_bytes, 0)
+    return o, ht
+
+
+def _cu_desc(cu: Optional[torch.Tensor]) -> tuple:
+    if cu is None:
+        return _NONE
+    return (cu.data_ptr(), _DTYPE_CODE[cu.dtype], 1, 0, 0)
+
+
+@gdn_fwd.register_fake
+def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first):
+    B, T = q.shape[0], q.shape[1]
+    o = q.new_empty((B, T, v.shape[2], v.shape[3]))
+    if output_final_state:
+        ht = q.new_empty(_state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first), dtype=state_dtype(q))
+    else:
+        ht = q.new_empty((0,), dtype=torch.float32)
+    return o, ht
+
+
+@torch.library.custom_op("qla::gdn_bwd", mutates_args=())
+def gdn_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    state_v_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    n = _num_seqs(q, cu_seqlens)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
+    dh0 = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
+    device, stream = _device_args(q)
+    _C.backward(
+        (B, T, H, HV, K, V),
+        _desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
+        _desc(do), _desc(dht), _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta), _desc(dh0),
+        scale, 1 if state_v_first else 0, device, stream, 0,
+    )
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+@gdn_bwd.register_fake
+def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first):
+    n = _num_seqs(q, cu_seqlens)
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+        torch.empty_like(v, memory_format=torch.contiguous_format),
+        g.new_empty(g.shape),
+        beta.new_empty(beta.shape),
+        q.new_empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q)),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.state_v_first = state_v_first
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
+        None if dht is None else dht.contiguous(), ctx.state_v_first,
+    )
+    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None
+
+
+gdn_fwd.register_autograd(_backward, setup_context=_setup_context)

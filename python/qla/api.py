@@ -1,0 +1,276 @@
+"""Public API: FLA-compatible ``chunk_gated_delta_rule`` and the low-level fwd/bwd."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops
+
+_QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_GATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got {t.dim()}-D with shape {_fmt_shape(t)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu=None) -> int:
+    """Validates the kernel-level inputs; returns N (the number of sequences)."""
+    _check_tensor("q", q, 4, _QKV_DTYPES)
+    _check_tensor("k", k, 4, _QKV_DTYPES)
+    _check_tensor("v", v, 4, _QKV_DTYPES)
+    _check_tensor("g", g, 3, _GATE_DTYPES)
+    _check_tensor("beta", beta, 3, _GATE_DTYPES)
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and isinstance(t, torch.Tensor) and t.device != dev:
+            raise ValueError(f"{name}: expected a tensor on {dev} (the device of q), got one on {t.device}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        bad, t = ("k", k) if k.dtype != q.dtype else ("v", v)
+        raise TypeError(f"{bad}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {_fmt_shape(q)} (the shape of q), got {_fmt_shape(k)}")
+    B, T, H, K = q.shape
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v: expected batch and length [{B}, {T}, ...] like q, got {_fmt_shape(v)}")
+    HV = v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: expected the number of value heads ({HV}) to be a multiple of the q/k heads ({H})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, HV):
+            raise ValueError(f"{name}: expected shape [{B}, {T}, {HV}] ([B, T, HV]), got {_fmt_shape(t)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"cu_seqlens: expected a 1-D int32 or int64 tensor, got {cu_seqlens.dim()}-D {cu_seqlens.dtype}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: expected batch size 1 when cu_seqlens is given, got q with B={B}")
+        if cu_seqlens.shape[0] < 1:
+            raise ValueError("cu_seqlens: expected at least one entry (0), got an empty tensor")
+        if cu_seqlens.stride(0) != 1:
+            raise ValueError("cu_seqlens: expected a contiguous tensor")
+        host = cu_seqlens_cpu
+        if host is None and cu_seqlens.device.type == "cpu":
+            host = cu_seqlens
+        if host is not None:  # value checks need host values: free on CPU, never a device sync
+            vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
+            if vals[0] != 0:
+                raise ValueError(f"cu_seqlens: expected the first entry to be 0, got {vals[0]}")
+            for i in range(len(vals) - 1):
+                if vals[i + 1] < vals[i]:
+                    raise ValueError(
+                        f"cu_seqlens: expected non-decreasing values, got {vals[i]} then {vals[i + 1]} at index {i + 1}")
+            if vals[-1] != T:
+                raise ValueError(f"cu_seqlens: expected the last entry to equal T={T} (tokens in q), got {vals[-1]}")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
+        V = v.shape[3]
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if tuple(initial_state.shape) != want:
+            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+            raise ValueError(
+                f"initial_state: expected shape {list(want)} ({layout}), got {_fmt_shape(initial_state)}")
+        if initial_state.dtype != torch.float32 and not (
+                initial_state.dtype == torch.float64 and q.dtype == torch.float64):
+            raise TypeError(
+                f"initial_state: expected dtype float32 (or float64 with float64 inputs), got {initial_state.dtype}")
+        if initial_state.numel() > 0 and initial_state.stride(-1) != 1:
+            raise ValueError("initial_state: expected a contiguous last dimension (stride 1)")
+    return N
+
+
+def _resolve_scale(scale, K: int) -> float:
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("scale: expected a Python float or None, got a torch.Tensor")
+    return float(scale)
+
+
+def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = q.new_empty((B, T, HV, V))
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, initial_state.clone()
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    return o, q.new_zeros(shape, dtype=_ops.state_dtype(q))
+
+
+def chunk_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Low-level forward on already-preprocessed inputs (no autograd).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g (natural-log decay, <= 0), beta: [B, T, HV];
+    initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first). Returns
+    (o [B, T, HV, V] in q's dtype, final_state or None). States are fp32, or fp64 when
+    the inputs are fp64.
+    """
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    scale = _resolve_scale(scale, q.shape[-1])
+    if q.numel() == 0 or v.numel() == 0:
+        return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
+    with torch.no_grad():
+        o, ht = _ops.gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
+):
+    """Low-level backward: given the forward inputs, do (the gradient of o) and dht (the
+    gradient of the final state, or None), returns (dq, dk, dv, dg, dbeta, dh0).
+
+    dq and dk are summed over each value-head group (GVA); dg and dbeta have the dtypes
+    of g and beta; dh0 is fp32 in the state layout (the gradient of initial_state,
+    which is zero-initialised when initial_state is None).
+    """
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    _check_tensor("do", do, 4, (q.dtype,))
+    if tuple(do.shape) != tuple(v.shape):
+        raise ValueError(f"do: expected shape {_fmt_shape(v)} (the shape of o), got {_fmt_shape(do)}")
+    if do.device != q.device:
+        raise ValueError(f"do: expected a tensor on {q.device}, got one on {do.device}")
+    K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if dht is not None:
+        _check_tensor("dht", dht, 4, (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,))
+        if tuple(dht.shape) != state_shape:
+            raise ValueError(f"dht: expected shape {list(state_shape)}, got {_fmt_shape(dht)}")
+        if dht.device != q.device:
+            raise ValueError(f"dht: expected a tensor on {q.device}, got one on {dht.device}")
+    scale = _resolve_scale(scale, K)
+    if q.numel() == 0 or v.numel() == 0:
+        dh0 = dht.clone() if dht is not None else q.new_zeros(state_shape, dtype=_ops.state_dtype(q))
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dh0)
+    return _ops.gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
+                        None if dht is None else dht.contiguous(), state_v_first)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
+
+    Args:
+        q, k: [B, T, H, K]. v: [B, T, HV, V] with HV a multiple of H (GVA).
+        g: [B, T, HV] log-decay (<= 0), or the raw gate input when use_gate_in_kernel.
+        beta: [B, T, HV] write strength, or its logits when use_beta_sigmoid_in_kernel.
+        scale: multiplies the read; default K ** -0.5.
+        initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first).
+        output_final_state: also return the final state (fp32, same layout).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first.
+        use_beta_sigmoid_in_kernel: beta = sigmoid(beta) first.
+        allow_neg_eigval: beta is scaled by 2 (range [0, 2]) after the sigmoid, if any.
+        cu_seqlens: [N + 1] int32/int64 boundaries of packed sequences (requires B == 1).
+        use_gate_in_kernel: g = -exp(A_log) * softplus(g + dt_bias), A_log and dt_bias [HV].
+        cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
+            cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
+            boundaries without a device synchronisation.
+
+    Returns:
+        (o [B, T, HV, V] in q's dtype, final_state or None)
+    """
+    cu_seqlens_cpu = kwargs.pop("cu_seqlens_cpu", None)
+    kwargs.pop("chunk_indices", None)
+    chunk_size = kwargs.pop("chunk_size", None)
+    if chunk_size not in (None, 64):
+        raise ValueError(f"chunk_size: expected 64 (or None), got {chunk_size}")
+    if kwargs.pop("head_first", False):
+        raise ValueError("head_first: expected False; pass tensors as [B, T, H, D]")
+    if kwargs:
+        raise TypeError(f"chunk_gated_delta_rule: unexpected keyword arguments {sorted(kwargs)}")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: expected a [HV] tensor when use_gate_in_kernel=True, got None")
+        HV = v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.numel() != HV):
+                got = _fmt_shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected a tensor with HV={HV} elements, got {got}")
+        gx = g.float()
+        if dt_bias is not None:
+            gx = gx + dt_bias.float().reshape(-1)
+        g = -torch.exp(A_log.float().reshape(-1)) * F.softplus(gx)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float())
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    scale = _resolve_scale(scale, q.shape[-1])
+    if q.numel() == 0 or v.numel() == 0:
+        return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
+    o, ht = _ops.gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    return o, (ht if output_final_state else None)

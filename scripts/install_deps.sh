@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs everything a fresh machine needs to build and test QLA (Debian + PyPI, pinned).
+# Idempotent: re-running on a provisioned machine is quick.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# --- Debian packages (compiler, CMake, ninja, GoogleTest) ---
+need_apt=()
+for pkg in g++ cmake ninja-build libgtest-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need_apt[@]}"
+fi
+
+# --- Python packages: pinned in requirements-dev.txt ---
+python3 -m pip install -q --disable-pip-version-check -r "$here/../requirements-dev.txt"

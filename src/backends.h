@@ -1,0 +1,24 @@
+// Internal: the backends behind the public API. The public entry points in
+// src/core/api.cpp validate every argument first (src/core/validate.h), then call
+// exactly one of these; a backend may assume its params are valid.
+#pragma once
+
+#include "qla/qla.h"
+
+namespace qla {
+
+namespace cpu {
+Status forward(const GdnForwardParams& p);
+Status backward(const GdnBackwardParams& p);
+}  // namespace cpu
+
+namespace sm90 {
+// False when the library was built without CUDA (the stubs then return kNotSupported).
+bool compiled();
+// Checks the backend-specific limits (K = V = 128, 16-bit q/k/v, the current device is 9.x).
+Status check_supported(const GdnForwardParams& p);
+Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
+Status forward(const GdnForwardParams& p);
+}  // namespace sm90
+
+}  // namespace qla

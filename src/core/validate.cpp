@@ -1,0 +1,164 @@
+#include "core/validate.h"
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace qla {
+namespace {
+
+Status invalid(const std::string& msg) { return Status::Error(StatusCode::kInvalidArgument, msg); }
+
+bool is_float(DType d) {
+  return d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32 || d == DType::kFloat64;
+}
+
+std::string dt(DType d) { return dtype_name(d); }
+
+// Common shape rules.
+Status check_shape(const GdnShape& s) {
+  std::ostringstream os;
+  if (s.batch < 0 || s.seqlen < 0 || s.num_qk_heads <= 0 || s.num_v_heads <= 0 || s.head_dim_k <= 0 ||
+      s.head_dim_v <= 0) {
+    os << "shape: expected B >= 0, T >= 0 and positive H, HV, K, V; got B=" << s.batch << " T=" << s.seqlen
+       << " H=" << s.num_qk_heads << " HV=" << s.num_v_heads << " K=" << s.head_dim_k << " V=" << s.head_dim_v;
+    return invalid(os.str());
+  }
+  if (s.num_v_heads % s.num_qk_heads != 0) {
+    os << "v: expected the number of value heads (" << s.num_v_heads
+       << ") to be a multiple of the number of q/k heads (" << s.num_qk_heads << ")";
+    return invalid(os.str());
+  }
+  if (s.head_dim_k > 256 || s.head_dim_v > 256) {
+    os << "shape: head dims up to 256 are supported; got K=" << s.head_dim_k << " V=" << s.head_dim_v;
+    return Status::Error(StatusCode::kNotSupported, os.str());
+  }
+  return Status::Ok();
+}
+
+Status check_ptr(const char* name, const void* data, bool needed) {
+  if (needed && data == nullptr) return invalid(std::string(name) + ": expected a data pointer, got null");
+  return Status::Ok();
+}
+
+Status check_dtype(const char* name, DType got, DType expected) {
+  if (got != expected)
+    return invalid(std::string(name) + ": expected dtype " + dt(expected) + ", got " + dt(got));
+  return Status::Ok();
+}
+
+Status check_float(const char* name, DType got) {
+  if (!is_float(got))
+    return invalid(std::string(name) + ": expected a float dtype (float16, bfloat16, float32, float64), got " + dt(got));
+  return Status::Ok();
+}
+
+// Validates cu_seqlens when a host copy is available (always on the CPU backend).
+Status check_cu_seqlens(const TensorRef& cu, int64_t num_seqs, const int64_t* host, const GdnShape& s, Device dev,
+                        std::vector<int64_t>* out) {
+  if (cu.data == nullptr) return Status::Ok();
+  if (cu.dtype != DType::kInt32 && cu.dtype != DType::kInt64)
+    return invalid("cu_seqlens: expected dtype int32 or int64, got " + dt(cu.dtype));
+  if (s.batch != 1) {
+    std::ostringstream os;
+    os << "cu_seqlens: expected batch size 1 when cu_seqlens is given, got B=" << s.batch;
+    return invalid(os.str());
+  }
+  if (num_seqs < 0) return invalid("cu_seqlens: expected num_seqs >= 0, got " + std::to_string(num_seqs));
+  std::vector<int64_t> vals;
+  if (host) {
+    vals.assign(host, host + num_seqs + 1);
+  } else if (dev == Device::kCpu) {
+    vals.resize(num_seqs + 1);
+    for (int64_t i = 0; i <= num_seqs; ++i)
+      vals[i] = cu.dtype == DType::kInt32 ? static_cast<const int32_t*>(cu.data)[i]
+                                          : static_cast<const int64_t*>(cu.data)[i];
+  } else {
+    return Status::Ok();  // device values without a host copy: checked by the caller or not at all
+  }
+  if (vals[0] != 0) return invalid("cu_seqlens: expected the first entry to be 0, got " + std::to_string(vals[0]));
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (vals[i + 1] < vals[i]) {
+      std::ostringstream os;
+      os << "cu_seqlens: expected non-decreasing values, got " << vals[i] << " then " << vals[i + 1] << " at index "
+         << i + 1;
+      return invalid(os.str());
+    }
+  }
+  if (vals[num_seqs] != s.seqlen) {
+    std::ostringstream os;
+    os << "cu_seqlens: expected the last entry to equal the number of tokens T=" << s.seqlen << ", got "
+       << vals[num_seqs];
+    return invalid(os.str());
+  }
+  if (out) *out = std::move(vals);
+  return Status::Ok();
+}
+
+#define QLA_TRY(expr)            \
+  do {                           \
+    Status _s = (expr);          \
+    if (!_s.ok()) return _s;     \
+  } while (0)
+
+// States are fp32; with fp64 inputs (CPU) they may also be fp64.
+Status check_state(const char* name, const void* data, DType dtype, DType qdtype) {
+  if (data == nullptr) return Status::Ok();
+  if (dtype == DType::kFloat32 || (dtype == DType::kFloat64 && qdtype == DType::kFloat64)) return Status::Ok();
+  return invalid(std::string(name) + ": expected dtype float32 (or float64 with float64 inputs), got " + dt(dtype));
+}
+
+template <typename P>
+Status check_common(const P& p) {
+  QLA_TRY(check_shape(p.shape));
+  if (p.device != Device::kCpu && p.device != Device::kCuda)
+    return invalid("device: expected kCpu or kCuda, got " + std::to_string(static_cast<int>(p.device)));
+  if (p.state_layout != StateLayout::kKV && p.state_layout != StateLayout::kVK)
+    return invalid("state_layout: expected kKV or kVK, got " + std::to_string(static_cast<int>(p.state_layout)));
+  const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
+  QLA_TRY(check_ptr("q", p.q.data, has_tokens));
+  QLA_TRY(check_ptr("k", p.k.data, has_tokens));
+  QLA_TRY(check_ptr("v", p.v.data, has_tokens));
+  QLA_TRY(check_ptr("g", p.g.data, has_tokens));
+  QLA_TRY(check_ptr("beta", p.beta.data, has_tokens));
+  QLA_TRY(check_float("q", p.q.dtype));
+  QLA_TRY(check_dtype("k", p.k.dtype, p.q.dtype));
+  QLA_TRY(check_dtype("v", p.v.dtype, p.q.dtype));
+  QLA_TRY(check_float("g", p.g.dtype));
+  QLA_TRY(check_float("beta", p.beta.dtype));
+  QLA_TRY(check_state("initial_state", p.initial_state.data, p.initial_state.dtype, p.q.dtype));
+  return check_cu_seqlens(p.cu_seqlens, p.num_seqs, p.cu_seqlens_host, p.shape, p.device, nullptr);
+}
+
+}  // namespace
+
+Status validate_forward(const GdnForwardParams& p) {
+  QLA_TRY(check_common(p));
+  const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
+  QLA_TRY(check_ptr("o", p.o.data, has_tokens));
+  QLA_TRY(check_dtype("o", p.o.dtype, p.q.dtype));
+  QLA_TRY(check_state("final_state", p.final_state.data, p.final_state.dtype, p.q.dtype));
+  return Status::Ok();
+}
+
+Status validate_backward(const GdnBackwardParams& p) {
+  QLA_TRY(check_common(p));
+  const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
+  QLA_TRY(check_ptr("do", p.d_o.data, has_tokens));
+  QLA_TRY(check_dtype("do", p.d_o.dtype, p.q.dtype));
+  QLA_TRY(check_state("d_final_state", p.d_final_state.data, p.d_final_state.dtype, p.q.dtype));
+  QLA_TRY(check_ptr("dq", p.dq.data, has_tokens));
+  QLA_TRY(check_ptr("dk", p.dk.data, has_tokens));
+  QLA_TRY(check_ptr("dv", p.dv.data, has_tokens));
+  QLA_TRY(check_ptr("dg", p.dg.data, has_tokens));
+  QLA_TRY(check_ptr("dbeta", p.dbeta.data, has_tokens));
+  QLA_TRY(check_dtype("dq", p.dq.dtype, p.q.dtype));
+  QLA_TRY(check_dtype("dk", p.dk.dtype, p.q.dtype));
+  QLA_TRY(check_dtype("dv", p.dv.dtype, p.q.dtype));
+  QLA_TRY(check_float("dg", p.dg.dtype));
+  QLA_TRY(check_float("dbeta", p.dbeta.dtype));
+  QLA_TRY(check_state("d_initial_state", p.d_initial_state.data, p.d_initial_state.dtype, p.q.dtype));
+  return Status::Ok();
+}
+
+}  // namespace qla

@@ -1,0 +1,123 @@
+// CPU forward against the independent fp64 reference in problem.h.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "problem.h"
+
+using namespace qla_test;
+
+namespace {
+
+struct Case {
+  std::string name;
+  int64_t B, T, H, HV, K, V;
+  std::vector<int64_t> cu;
+  Gate gate = Gate::kMild;
+  Beta beta = Beta::kRandom;
+  bool has_h0 = true;
+};
+
+// Runs one case in one dtype; checks every output element was written and the error.
+void run_case(const Case& c, qla::DType d, qla::StateLayout layout, double tol, uint32_t seed) {
+  Problem p = make_problem(seed, c.B, c.T, c.H, c.HV, c.K, c.V, c.cu, c.gate, c.beta, c.has_h0);
+  round_inputs(p, d);
+  std::vector<double> ro, rht;
+  reference_forward(p, ro, rht);
+
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, d, buf, true, layout);
+  f.num_threads = 3;
+  qla::Status s = qla::gdn_forward(f);
+  ASSERT_TRUE(s.ok()) << s.message();
+
+  std::vector<double> o(ro.size()), ht(rht.size());
+  for (size_t i = 0; i < o.size(); ++i) {
+    o[i] = decode(buf.o, d, i);
+    ASSERT_FALSE(std::isnan(o[i])) << c.name << ": o[" << i << "] not written or NaN";
+  }
+  const qla::DType side = d == qla::DType::kFloat64 ? qla::DType::kFloat64 : qla::DType::kFloat32;
+  for (int64_t m = 0; m < p.N() * p.HV; ++m)
+    for (int64_t i = 0; i < p.K; ++i)
+      for (int64_t j = 0; j < p.V; ++j) {
+        const size_t src = layout == qla::StateLayout::kKV ? m * p.K * p.V + i * p.V + j : m * p.K * p.V + j * p.K + i;
+        const double x = decode(buf.ht, side, src);
+        ASSERT_FALSE(std::isnan(x)) << c.name << ": final state not written";
+        ht[m * p.K * p.V + i * p.V + j] = x;
+      }
+  EXPECT_LT(rel_l2(o, ro), tol) << c.name << " o, dtype " << qla::dtype_name(d);
+  EXPECT_LT(rel_l2(ht, rht), tol) << c.name << " final state, dtype " << qla::dtype_name(d);
+}
+
+std::vector<Case> cases() {
+  return {
+      {"T1", 2, 1, 1, 1, 16, 8, {}},
+      {"T_not_multiple_of_64", 2, 150, 2, 2, 16, 16, {}},
+      {"gva2", 1, 80, 2, 4, 8, 12, {}},
+      {"gva4", 1, 70, 1, 4, 12, 8, {}},
+      {"varlen_zero_lengths", 1, 140, 2, 4, 8, 8, {0, 0, 1, 64, 64, 140, 140}},
+      {"no_initial_state", 2, 65, 1, 2, 8, 8, {}, Gate::kMild, Beta::kRandom, false},
+      {"strong_decay", 1, 100, 1, 2, 16, 8, {}, Gate::kStrong},
+      {"g_zero", 1, 100, 1, 2, 16, 8, {}, Gate::kZero},
+      {"beta_zero", 1, 40, 1, 1, 8, 8, {}, Gate::kMild, Beta::kZero},
+      {"beta_one", 1, 40, 1, 1, 8, 8, {}, Gate::kMild, Beta::kOne},
+      {"head_dim_256", 1, 9, 1, 1, 256, 256, {}},
+  };
+}
+
+}  // namespace
+
+TEST(CpuForward, Float64MatchesReference) {
+  uint32_t seed = 100;
+  for (const auto& c : cases()) run_case(c, qla::DType::kFloat64, qla::StateLayout::kKV, 1e-12, seed++);
+}
+
+TEST(CpuForward, Float32MatchesReference) {
+  uint32_t seed = 200;
+  for (const auto& c : cases()) run_case(c, qla::DType::kFloat32, qla::StateLayout::kKV, 1e-5, seed++);
+}
+
+// 16-bit inputs: the reference sees the same rounded inputs, so the error is the output
+// rounding alone (bf16 has 8 mantissa bits: ~2e-3 relative per element).
+TEST(CpuForward, BFloat16MatchesReference) {
+  uint32_t seed = 300;
+  for (const auto& c : cases()) run_case(c, qla::DType::kBFloat16, qla::StateLayout::kKV, 4e-3, seed++);
+}
+
+TEST(CpuForward, Float16MatchesReference) {
+  uint32_t seed = 400;
+  for (const auto& c : cases()) run_case(c, qla::DType::kFloat16, qla::StateLayout::kKV, 5e-4, seed++);
+}
+
+TEST(CpuForward, StateVFirstLayout) {
+  uint32_t seed = 500;
+  for (const auto& c : cases()) run_case(c, qla::DType::kFloat64, qla::StateLayout::kVK, 1e-12, seed++);
+}
+
+TEST(CpuForward, DoesNotModifyInputs) {
+  Problem p = make_problem(7, 1, 50, 2, 4, 8, 8);
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  const Buffers before = buf;
+  ASSERT_TRUE(qla::gdn_forward(f).ok());
+  EXPECT_EQ(before.q, buf.q);
+  EXPECT_EQ(before.k, buf.k);
+  EXPECT_EQ(before.v, buf.v);
+  EXPECT_EQ(before.g, buf.g);
+  EXPECT_EQ(before.beta, buf.beta);
+  EXPECT_EQ(before.h0, buf.h0);
+}
+
+TEST(CpuForward, ThreadCountDoesNotChangeResult) {
+  Problem p = make_problem(8, 2, 90, 2, 4, 8, 8);
+  Buffers b1, b2;
+  qla::GdnForwardParams f1 = forward_params(p, qla::DType::kFloat32, b1);
+  qla::GdnForwardParams f2 = forward_params(p, qla::DType::kFloat32, b2);
+  f1.num_threads = 1;
+  f2.num_threads = 5;
+  ASSERT_TRUE(qla::gdn_forward(f1).ok());
+  ASSERT_TRUE(qla::gdn_forward(f2).ok());
+  EXPECT_EQ(b1.o, b2.o);
+  EXPECT_EQ(b1.ht, b2.ht);
+}

@@ -1,0 +1,101 @@
+// Bad arguments come back as a Status naming the argument; nothing crashes.
+#include <gtest/gtest.h>
+
+#include "problem.h"
+
+using namespace qla_test;
+
+namespace {
+
+// Expects an error whose message contains `needle`.
+void expect_error(const qla::GdnForwardParams& f, const std::string& needle) {
+  qla::Status s = qla::gdn_forward(f);
+  ASSERT_FALSE(s.ok()) << "expected an error mentioning '" << needle << "'";
+  EXPECT_NE(s.message().find(needle), std::string::npos) << "message was: " << s.message();
+  size_t ws = 0;
+  EXPECT_FALSE(qla::gdn_forward_workspace_size(f, &ws).ok());
+}
+
+}  // namespace
+
+TEST(Validation, ForwardRejectsBadArguments) {
+  Problem p = make_problem(1, 1, 20, 2, 4, 8, 8, {0, 5, 20});
+  Buffers buf;
+  const qla::GdnForwardParams good = forward_params(p, qla::DType::kFloat32, buf);
+  ASSERT_TRUE(qla::gdn_forward(good).ok());
+
+  auto f = good;
+  f.shape.num_v_heads = 3;
+  expect_error(f, "multiple");
+  f = good;
+  f.k.dtype = qla::DType::kBFloat16;
+  expect_error(f, "k: expected dtype float32");
+  f = good;
+  f.q.dtype = qla::DType::kInt32;
+  expect_error(f, "q: expected a float dtype");
+  f = good;
+  f.v.data = nullptr;
+  expect_error(f, "v: expected a data pointer");
+  f = good;
+  f.initial_state.dtype = qla::DType::kBFloat16;
+  expect_error(f, "initial_state: expected dtype float32");
+  f = good;
+  f.shape.batch = 2;
+  expect_error(f, "cu_seqlens: expected batch size 1");
+  f = good;
+  f.cu_seqlens.dtype = qla::DType::kFloat32;
+  expect_error(f, "cu_seqlens: expected dtype int32 or int64");
+  f = good;
+  f.shape.head_dim_k = 512;
+  expect_error(f, "head dims up to 256");
+  f = good;
+  f.shape.seqlen = -1;
+  expect_error(f, "shape");
+}
+
+TEST(Validation, ForwardRejectsBadCuSeqlensValues) {
+  Problem p = make_problem(2, 1, 20, 1, 1, 4, 4, {0, 5, 20});
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  int64_t* cu = reinterpret_cast<int64_t*>(buf.cu.data());
+  cu[0] = 1;
+  expect_error(f, "first entry to be 0");
+  cu[0] = 0, cu[1] = 25;
+  expect_error(f, "non-decreasing");
+  cu[1] = 5, cu[2] = 19;
+  expect_error(f, "last entry to equal the number of tokens T=20");
+}
+
+TEST(Validation, BackwardRejectsMissingOutputs) {
+  Problem p = make_problem(3, 1, 10, 1, 1, 4, 4);
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  qla::GdnBackwardParams b;
+  b.shape = f.shape;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.g = f.g, b.beta = f.beta;
+  b.d_o = f.v;
+  qla::Status s = qla::gdn_backward(b);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("dq"), std::string::npos) << s.message();
+}
+
+TEST(Validation, EmptyProblemIsFine) {
+  Problem p = make_problem(4, 1, 0, 1, 1, 4, 4, {0, 0});
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  qla::Status s = qla::gdn_forward(f);
+  ASSERT_TRUE(s.ok()) << s.message();
+  // An empty sequence passes the initial state through.
+  for (size_t i = 0; i < p.h0.size(); ++i)
+    EXPECT_EQ(decode(buf.ht, qla::DType::kFloat32, i), static_cast<float>(p.h0[i]));
+}
+
+TEST(Validation, CudaDeviceWithoutGpuReportsError) {
+  Problem p = make_problem(5, 1, 10, 1, 1, 4, 4);
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  f.device = qla::Device::kCuda;  // host pointers, and K = 4: must be refused, never run
+  qla::Status s = qla::gdn_forward(f);
+  EXPECT_FALSE(s.ok());
+  EXPECT_FALSE(s.message().empty());
+}
