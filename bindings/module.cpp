@@ -64,7 +64,7 @@ qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const De
   p.num_seqs = num_seqs;
   p.o = out(o);
   p.final_state = out(ht);
-  p.scale = static_cast<float>(scale);
+  p.scale = scale;
   p.state_layout = static_cast<qla::StateLayout>(layout);
   p.device = static_cast<qla::Device>(device);
   p.stream = reinterpret_cast<void*>(stream);
@@ -131,7 +131,7 @@ NB_MODULE(_C, m) {
         p.dg = out(dg);
         p.dbeta = out(dbeta);
         p.d_initial_state = out(dh0);
-        p.scale = static_cast<float>(scale);
+        p.scale = scale;
         p.state_layout = static_cast<qla::StateLayout>(layout);
         p.device = static_cast<qla::Device>(device);
         p.stream = reinterpret_cast<void*>(stream);

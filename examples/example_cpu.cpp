@@ -34,7 +34,7 @@ int main() {
   p.beta = {beta.data(), qla::DType::kFloat32, {T * HV, HV, 0}};
   p.o = {o.data(), qla::DType::kFloat32, {T * HV * V, HV * V, V}};
   p.final_state = {final_state.data(), qla::DType::kFloat32, {HV * K * V, K * V, V}};
-  p.scale = 1.0f / std::sqrt(static_cast<float>(K));
+  p.scale = 1.0 / std::sqrt(static_cast<double>(K));
   p.device = qla::Device::kCpu;
 
   qla::Status s = qla::gdn_forward(p);

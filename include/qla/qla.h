@@ -120,7 +120,7 @@ struct GdnForwardParams {
   MutTensorRef o;
   MutTensorRef final_state;
 
-  float scale = 0.0f;  // multiplies the read; callers usually pass K^-0.5
+  double scale = 0.0;  // multiplies the read; callers usually pass K^-0.5
   StateLayout state_layout = StateLayout::kKV;
 
   Device device = Device::kCpu;
@@ -148,7 +148,7 @@ struct GdnBackwardParams {
   MutTensorRef dq, dk, dv, dg, dbeta;
   MutTensorRef d_initial_state;
 
-  float scale = 0.0f;
+  double scale = 0.0;
   StateLayout state_layout = StateLayout::kKV;
 
   Device device = Device::kCpu;

@@ -196,8 +196,8 @@ def chunk_gated_delta_rule_bwd(
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32."""
-    xf = x.float()
+    """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32 (fp64 for fp64)."""
+    xf = x if x.dtype == torch.float64 else x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -258,12 +258,13 @@ def chunk_gated_delta_rule(
             if t is not None and (not isinstance(t, torch.Tensor) or t.numel() != HV):
                 got = _fmt_shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: expected a tensor with HV={HV} elements, got {got}")
-        gx = g.float()
+        gate_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+        gx = g.to(gate_dtype)
         if dt_bias is not None:
-            gx = gx + dt_bias.float().reshape(-1)
-        g = -torch.exp(A_log.float().reshape(-1)) * F.softplus(gx)
+            gx = gx + dt_bias.to(gate_dtype).reshape(-1)
+        g = -torch.exp(A_log.to(gate_dtype).reshape(-1)) * F.softplus(gx)
     if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float())
+        beta = torch.sigmoid(beta if beta.dtype == torch.float64 else beta.float())
     if allow_neg_eigval:
         beta = beta * 2.0
     if use_qk_l2norm_in_kernel:

@@ -30,7 +30,7 @@ inline Problem make_problem(uint32_t seed, int64_t B, int64_t T, int64_t H, int6
                             bool has_h0 = true) {
   Problem p;
   p.B = B, p.T = T, p.H = H, p.HV = HV, p.K = K, p.V = V, p.cu = std::move(cu), p.has_h0 = has_h0;
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(K)));  // params carry a float
+  p.scale = 1.0 / std::sqrt(static_cast<double>(K));
   std::mt19937 rng(seed);
   std::normal_distribution<double> normal;
   std::uniform_real_distribution<double> unif(0.0, 1.0);
@@ -234,7 +234,7 @@ inline qla::GdnForwardParams forward_params(const Problem& p, qla::DType d, Buff
   }
   f.o = {buf.o.data(), d, {p.T * p.HV * p.V, p.HV * p.V, p.V}};
   if (want_final) f.final_state = {buf.ht.data(), side, {p.HV * p.K * p.V, p.K * p.V, row}};
-  f.scale = static_cast<float>(p.scale);
+  f.scale = p.scale;
   f.state_layout = layout;
   f.device = qla::Device::kCpu;
   return f;

@@ -1,0 +1,100 @@
+"""Bad input gets a ValueError/TypeError naming the argument, what was expected and what came."""
+import pytest
+import torch
+
+import qla
+from conftest import make_inputs
+
+
+def _args(**over):
+    x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32)
+    kw = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"])
+    kw.update(over)
+    return kw
+
+
+def _call(**over):
+    kw = _args(**over)
+    return qla.chunk_gated_delta_rule(**kw)
+
+
+@pytest.mark.parametrize("over,exc,msg", [
+    (dict(q=torch.randn(10, 2, 8)), ValueError, r"q: expected a 4-D tensor, got 3-D"),
+    (dict(g=torch.randn(1, 10, 4, 1)), ValueError, r"g: expected a 3-D tensor"),
+    (dict(k=torch.randn(1, 11, 2, 8)), ValueError, r"k: expected shape \[1, 10, 2, 8\]"),
+    (dict(v=torch.randn(2, 10, 4, 8)), ValueError, r"v: expected batch and length \[1, 10"),
+    (dict(v=torch.randn(1, 10, 3, 8)), ValueError, r"multiple of the q/k heads"),
+    (dict(beta=torch.rand(1, 10, 2)), ValueError, r"beta: expected shape \[1, 10, 4\]"),
+    (dict(q=torch.randn(1, 10, 2, 8).int()), TypeError, r"q: expected dtype in"),
+    (dict(k=torch.randn(1, 10, 2, 8).double()), TypeError, r"k: expected dtype torch.float32"),
+    (dict(q=torch.randn(1, 10, 2, 16)[..., ::2]), ValueError, r"q: expected a contiguous last dimension"),
+    (dict(initial_state=torch.randn(1, 4, 8, 7)), ValueError, r"initial_state: expected shape \[1, 4, 8, 8\]"),
+    (dict(initial_state=torch.randn(1, 4, 8, 8).half()), TypeError, r"initial_state: expected dtype float32"),
+    (dict(initial_state=[1.0]), TypeError, r"initial_state: expected a torch.Tensor"),
+    (dict(q="nope"), TypeError, r"q: expected a torch.Tensor, got str"),
+])
+def test_bad_tensor_arguments(over, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _call(**over)
+
+
+@pytest.mark.parametrize("cu,msg", [
+    (torch.tensor([[0, 10]], dtype=torch.int32), r"cu_seqlens: expected a 1-D int32 or int64 tensor"),
+    (torch.tensor([0.0, 10.0]), r"cu_seqlens: expected a 1-D int32 or int64 tensor"),
+    (torch.tensor([1, 10], dtype=torch.int32), r"first entry to be 0, got 1"),
+    (torch.tensor([0, 6, 4, 10], dtype=torch.int32), r"non-decreasing values, got 6 then 4"),
+    (torch.tensor([0, 4, 9], dtype=torch.int64), r"last entry to equal T=10"),
+])
+def test_bad_cu_seqlens(cu, msg):
+    n = cu.numel() - 1 if cu.dim() == 1 else 1
+    x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32, n_states=max(n, 1))
+    with pytest.raises(ValueError, match=msg):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
+
+
+def test_cu_seqlens_requires_batch_one():
+    x = make_inputs(2, 10, 2, 4, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected batch size 1 .* got q with B=2"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                   cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
+
+
+def test_tensors_on_different_devices():
+    meta = torch.empty(1, 10, 4, 8, device="meta")
+    with pytest.raises(ValueError, match=r"v: expected a tensor on cpu \(the device of q\), got one on meta"):
+        _call(v=meta)
+
+
+def test_unknown_keyword_and_gate_arguments():
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
+        _call(bogus=1)
+    with pytest.raises(ValueError, match=r"A_log: expected a \[HV\] tensor when use_gate_in_kernel=True"):
+        _call(use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match=r"dt_bias: expected a tensor with HV=4 elements"):
+        _call(use_gate_in_kernel=True, A_log=torch.zeros(4), dt_bias=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"chunk_size: expected 64"):
+        _call(chunk_size=32)
+
+
+def test_backward_argument_errors():
+    x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match=r"do: expected shape \[1, 10, 4, 8\]"):
+        qla.chunk_gated_delta_rule_bwd(*args, torch.randn(1, 10, 4, 7))
+    with pytest.raises(ValueError, match=r"dht: expected shape \[1, 4, 8, 8\]"):
+        qla.chunk_gated_delta_rule_bwd(*args, torch.randn(1, 10, 4, 8), torch.randn(1, 4, 8, 9))
+
+
+def test_head_dim_over_256_is_refused_by_the_core():
+    x = make_inputs(1, 2, 1, 1, 300, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"head dims up to 256"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def test_errors_do_not_modify_inputs():
+    kw = _args()
+    before = {n: t.clone() for n, t in kw.items()}
+    with pytest.raises(ValueError):
+        qla.chunk_gated_delta_rule(**kw, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
+    for n, t in kw.items():
+        assert torch.equal(t, before[n])
