@@ -146,6 +146,12 @@ QLA_VECTOR_CLONES void axpy(int64_t n, Acc a, const Acc* __restrict x, Acc* __re
   for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
 }
 
+// dst = alpha * src + k_i * u (dst may alias src).
+template <typename Acc>
+QLA_VECTOR_CLONES void update_row(int64_t n, Acc alpha, Acc k_i, const Acc* u, const Acc* src, Acc* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = alpha * src[j] + k_i * u[j];
+}
+
 // Forward token update of one state row: s = alpha*s + k_i*u; o += q_i*s.
 template <typename Acc>
 QLA_VECTOR_CLONES void forward_row(int64_t n, Acc alpha, Acc k_i, Acc q_i, const Acc* __restrict u, Acc* __restrict s,
@@ -250,15 +256,12 @@ void backward_head(const GdnBackwardParams& p, const SeqSpan& seq, int64_t n, in
     *alpha = std::exp(load_elem<Acc>(p.g.data, p.g.dtype, off3(p.g.stride, seq.row, t, hv)));
     *beta = load_elem<Acc>(p.beta.data, p.beta.dtype, off3(p.beta.stride, seq.row, t, hv));
   };
-  // One forward step S <- alpha S + k u^T (q unused here).
-  auto step = [&](Acc* S, Acc alpha, Acc beta) {
+  // One forward step dst = alpha src + k u^T (q unused here); dst may equal src.
+  auto step = [&](const Acc* src, Acc* dst, Acc alpha, Acc beta) {
     std::fill(u.begin(), u.end(), Acc(0));
-    for (int64_t i = 0; i < K; ++i) axpy(V, k[i], &S[i * V], u.data());
+    for (int64_t i = 0; i < K; ++i) axpy(V, k[i], src + i * V, u.data());
     for (int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - alpha * u[j]);
-    for (int64_t i = 0; i < K; ++i) {
-      Acc* row = &S[i * V];
-      for (int64_t j = 0; j < V; ++j) row[j] = alpha * row[j] + k[i] * u[j];
-    }
+    for (int64_t i = 0; i < K; ++i) update_row(V, alpha, k[i], u.data(), src + i * V, dst + i * V);
   };
 
   // 1. Forward pass keeping the state at the start of each block.
@@ -271,7 +274,7 @@ void backward_head(const GdnBackwardParams& p, const SeqSpan& seq, int64_t n, in
     for (int64_t t = blk * kBlock; t < t_end; ++t) {
       Acc alpha, beta;
       load_token(seq.begin + t, &alpha, &beta);
-      step(S.data(), alpha, beta);
+      step(S.data(), S.data(), alpha, beta);
     }
   }
 
@@ -281,12 +284,11 @@ void backward_head(const GdnBackwardParams& p, const SeqSpan& seq, int64_t n, in
   sc.states.resize(kBlock * KV);
   for (int64_t blk = num_blocks - 1; blk >= 0; --blk) {
     const int64_t t0 = blk * kBlock, t_end = std::min(len, t0 + kBlock);
-    std::copy(sc.ckpt.begin() + blk * KV, sc.ckpt.begin() + (blk + 1) * KV, S.begin());
     for (int64_t t = t0; t < t_end; ++t) {
       Acc alpha, beta;
       load_token(seq.begin + t, &alpha, &beta);
-      step(S.data(), alpha, beta);
-      std::copy(S.begin(), S.end(), sc.states.begin() + (t - t0) * KV);
+      const Acc* src = t == t0 ? &sc.ckpt[blk * KV] : &sc.states[(t - 1 - t0) * KV];
+      step(src, &sc.states[(t - t0) * KV], alpha, beta);
     }
     for (int64_t t = t_end - 1; t >= t0; --t) {
       Acc alpha, beta;
