@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One device call: build on the GPU machine, run the GPU tests, the memory checker and the
+# benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
+#   bash scripts/device_check.sh [tests] [memcheck] [bench] [grid] [grid-bwd]   (default: all)
+# Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
+# (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/qla_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stages=${*:-tests memcheck bench grid}
+want() { [[ " $stages " == *" $1 "* ]]; }
+status=0
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  nvcc --version | tail -1
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.log"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    2>&1 | tail -3
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+echo "== build" | tee "$OUT/build.log"
+start=$(date +%s)
+if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -q -e . \
+    -Cbuild-dir=build/device -Ccmake.define.QLA_BUILD_TESTS=ON -Ccmake.define.QLA_CUTLASS_INCLUDE_DIR="$cutlass_inc" \
+    >>"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
+grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -8
+
+if want tests; then
+  echo "== sm90 standalone test (C++, poisoned outputs, graph replay)"
+  build/device/tests/cpp/qla_sm90_forward_test 2>&1 | tee "$OUT/sm90_test.log" | tail -14
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  echo "== pytest (GPU and CPU suites)"
+  python3 -m pytest tests/python -q -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/pytest.log" | tail -15
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+
+if want memcheck; then
+  echo "== compute-sanitizer memcheck (small case)"
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/memcheck_case.py 2>&1 \
+    | tee "$OUT/memcheck.log" | tail -4
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+
+if want bench; then
+  echo "== qla.bench"
+  python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
+  python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -6
+fi
+
+if want grid; then
+  echo "== forward grid"
+  python3 bench/run_grid.py --out "$OUT/grid_fwd.md" 2>&1 | tee "$OUT/grid_fwd.log" | tail -25
+fi
+if want grid-bwd; then
+  echo "== backward grid"
+  python3 bench/run_grid.py --backward --out "$OUT/grid_bwd.md" 2>&1 | tee "$OUT/grid_bwd.log" | tail -25
+fi
+exit $status

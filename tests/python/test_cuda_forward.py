@@ -1,0 +1,134 @@
+"""sm90 forward on the GPU (skipped without a CUDA device of compute capability 9.x).
+
+Accuracy is relative L2 against the fp64 reference on the benchmark input distribution
+(bf16 q/k/v), plus the strongly decaying and g = 0 cases; outputs are poisoned first
+(NaN left in the caching allocator) so an unwritten element fails the NaN check.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qla
+from conftest import reference, rel_err
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs a Hopper (sm90) GPU",
+)
+
+TOL = 3e-3
+
+
+def _inputs(lens, H, HV, gate, dtype=torch.bfloat16, seed=0, K=128, V=128, state=True, zero_heads=False):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    x = torch.randn(1, T, HV, generator=gen)
+    g = {"mild": F.logsigmoid(x) / 16, "strong": F.logsigmoid(x), "zero": torch.zeros_like(x)}[gate]
+    if zero_heads:
+        g[:, :, torch.randperm(HV, generator=gen)[: max(1, HV // 4)]] = 0
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
+    h0 = torch.randn(len(lens), HV, K, V, generator=gen) if state else None
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    dev = "cuda"
+    return dict(q=q.to(dtype).to(dev), k=k.to(dtype).to(dev), v=v.to(dtype).to(dev), g=g.to(dev),
+                beta=beta.to(dev), initial_state=None if h0 is None else h0.to(dev), cu_seqlens=cu.to(dev))
+
+
+def _poison_allocator(*shapes_dtypes):
+    """Leaves NaN-filled blocks of these sizes in torch's caching allocator for reuse."""
+    blocks = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes_dtypes]
+    del blocks
+
+
+def _check(x, state_v_first=False, scale=None):
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    N, HV, K, V = cu.numel() - 1, v.shape[2], q.shape[3], v.shape[3]
+    if h0 is not None and state_v_first:
+        h0 = h0.transpose(-1, -2).contiguous()
+    _poison_allocator((v.shape, v.dtype), ((N, HV, K, V), torch.float32))
+    o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, state_v_first=state_v_first)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any(), "o has NaN or unwritten elements"
+    assert not torch.isnan(ht).any(), "final state has NaN or unwritten elements"
+    h0_ref = None if x["initial_state"] is None else x["initial_state"].cpu()
+    ro, rht = reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=scale, initial_state=h0_ref,
+                        cu_seqlens=cu.cpu())
+    if state_v_first:
+        ht = ht.transpose(-1, -2)
+    return rel_err(o, ro), rel_err(ht, rht)
+
+
+@pytest.mark.parametrize("gate", ["mild", "strong", "zero"])
+def test_accuracy_bf16_benchmark_distribution(gate):
+    e_o, e_h = _check(_inputs([300], 2, 4, gate, zero_heads=(gate == "mild")))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+def test_varlen_with_zero_lengths_and_ragged_tails():
+    e_o, e_h = _check(_inputs([0, 1, 63, 64, 65, 200, 0, 130], 1, 2, "mild", seed=1))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+@pytest.mark.parametrize("H,HV", [(4, 4), (2, 4), (1, 4)])
+def test_gva_ratios(H, HV):
+    e_o, e_h = _check(_inputs([129, 70], H, HV, "mild", seed=2))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+def test_state_v_first_no_initial_state_fp16_and_scale():
+    e_o, e_h = _check(_inputs([100, 50], 1, 2, "mild", seed=3), state_v_first=True)
+    assert e_o < TOL and e_h < TOL
+    e_o, e_h = _check(_inputs([150], 1, 2, "mild", seed=4, state=False))
+    assert e_o < TOL and e_h < TOL
+    e_o, e_h = _check(_inputs([150], 1, 2, "mild", seed=5, dtype=torch.float16), scale=0.3)
+    assert e_o < 1e-3 and e_h < 1e-3
+
+
+def test_batched_without_cu_seqlens_matches_varlen():
+    x = _inputs([200, 200], 2, 4, "mild", seed=6)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o1, h1 = qla.chunk_gated_delta_rule(*args, initial_state=x["initial_state"], output_final_state=True,
+                                        cu_seqlens=x["cu_seqlens"])
+    o2, h2 = qla.chunk_gated_delta_rule(*(a.reshape(2, 200, *a.shape[2:]) for a in args),
+                                        initial_state=x["initial_state"], output_final_state=True)
+    assert rel_err(o2.reshape(o1.shape), o1) < 1e-6 and rel_err(h2, h1) < 1e-6
+
+
+def test_cuda_graph_capture_and_replay_on_new_inputs():
+    x = _inputs([256, 100], 2, 4, "mild", seed=7)
+    static = {n: t.clone() for n, t in x.items()}
+    run = lambda: qla.chunk_gated_delta_rule(static["q"], static["k"], static["v"], static["g"], static["beta"],
+                                             initial_state=static["initial_state"], output_final_state=True,
+                                             cu_seqlens=static["cu_seqlens"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = run()
+    fresh = _inputs([256, 100], 2, 4, "strong", seed=8)
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        static[n].copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rht = reference(*(fresh[n].cpu() for n in ("q", "k", "v", "g", "beta")),
+                        initial_state=fresh["initial_state"].cpu(), cu_seqlens=fresh["cu_seqlens"].cpu())
+    assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL
+
+
+def test_inputs_not_modified_and_unsupported_head_dim_is_a_clear_error():
+    x = _inputs([100], 1, 1, "mild", seed=9)
+    before = {n: t.clone() for n, t in x.items()}
+    qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               output_final_state=True, cu_seqlens=x["cu_seqlens"])
+    for n, t in x.items():
+        assert torch.equal(t, before[n]), n
+    y = _inputs([10], 1, 1, "mild", K=64, V=64)
+    with pytest.raises(ValueError, match=r"128"):
+        qla.chunk_gated_delta_rule(y["q"], y["k"], y["v"], y["g"], y["beta"])
