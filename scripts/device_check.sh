@@ -23,6 +23,7 @@ status=0
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     2>&1 | tail -3
+  [[ -f .whl/tilelang_z3.tar.xz ]] && python3 -c "import tarfile; tarfile.open('.whl/tilelang_z3.tar.xz').extractall('/tmp/site')"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
@@ -62,10 +63,13 @@ fi
 
 if want grid; then
   echo "== forward grid"
-  python3 bench/run_grid.py --out "$OUT/grid_fwd.md" 2>&1 | tee "$OUT/grid_fwd.log" | tail -25
+  # GRID_ARGS narrows the rows or backends, e.g. "--layouts 1x32768,8192x4 --backends qla,fla".
+  python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
+    | tee "$OUT/grid_fwd.log" | tail -45
 fi
 if want grid-bwd; then
   echo "== backward grid"
-  python3 bench/run_grid.py --backward --out "$OUT/grid_bwd.md" 2>&1 | tee "$OUT/grid_bwd.log" | tail -25
+  python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
+    | tee "$OUT/grid_bwd.log" | tail -25
 fi
 exit $status
