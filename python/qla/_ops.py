@@ -39,7 +39,7 @@ def _desc(t: Optional[torch.Tensor]) -> tuple:
 
 def _device_args(t: torch.Tensor):
     if t.device.type == "cuda":
-        return 1, torch.cuda.current_stream(t.device).cuda_stream
+        return 1, torch._C._cuda_getCurrentRawStream(t.device.index)
     return 0, 0
 
 
@@ -57,19 +57,12 @@ def _state_shape(q, v, n, state_v_first):
     return (n, v.shape[2], V, K) if state_v_first else (n, v.shape[2], K, V)
 
 
-@torch.library.custom_op("qla::gdn_fwd", mutates_args=())
-def gdn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    initial_state: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor],
-    output_final_state: bool,
-    state_v_first: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+_WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the core once per shape
+
+
+def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first):
+    """The forward itself. Called through the custom op (autograd, torch.compile) or directly
+    (eager calls that need no graph: it skips the dispatcher, which costs more than the launch)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _num_seqs(q, cu_seqlens)
@@ -85,12 +78,43 @@ def gdn_fwd(
     layout = 1 if state_v_first else 0
     ws_ptr, ws_bytes, ws = 0, 0, None
     if device == 1:
-        ws_bytes = _C.forward_workspace_size(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout, device)
+        key = (shape, n, q.dtype, q.device.index)
+        ws_bytes = _WORKSPACE_BYTES.get(key)
+        if ws_bytes is None:
+            ws_bytes = _C.forward_workspace_size(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout,
+                                                 device)
+            _WORKSPACE_BYTES[key] = ws_bytes
         if ws_bytes:
             ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=q.device)
             ws_ptr = ws.data_ptr()
     _C.forward(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout, device, stream, ws_ptr, ws_bytes, 0)
     return o, ht
+
+
+@torch.library.custom_op("qla::gdn_fwd", mutates_args=())
+def gdn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    output_final_state: bool,
+    state_v_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+
+
+def needs_dispatch(*tensors) -> bool:
+    """True when the call must go through the custom op: under torch.compile, or when
+    autograd has to record it."""
+    if torch.compiler.is_compiling():
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _cu_desc(cu: Optional[torch.Tensor]) -> tuple:

@@ -146,8 +146,9 @@ def chunk_gated_delta_rule_fwd(
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
+    fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
-        o, ht = _ops.gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+        o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
     return o, (ht if output_final_state else None)
 
 
@@ -273,5 +274,6 @@ def chunk_gated_delta_rule(
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
-    o, ht = _ops.gdn_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
+    o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
     return o, (ht if output_final_state else None)
