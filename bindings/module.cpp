@@ -48,11 +48,11 @@ void raise_if_error(const qla::Status& s) {
   throw std::runtime_error(s.message());
 }
 
-qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g,
-                                     const Desc& beta, const Desc& h0, const Desc& cu, int64_t num_seqs,
-                                     const Desc& o, const Desc& ht, double scale, int layout, int device,
-                                     uintptr_t stream, uintptr_t workspace, size_t workspace_bytes) {
-  qla::GdnForwardParams p;
+// Fields shared by the forward and backward params.
+template <class Params>
+void fill_common(Params& p, const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g,
+                 const Desc& beta, const Desc& h0, const Desc& cu, int64_t num_seqs, double scale, int layout,
+                 int device, uintptr_t stream) {
   p.shape = shape_of(shape);
   p.q = in(q);
   p.k = in(k);
@@ -62,12 +62,20 @@ qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const De
   p.initial_state = in(h0);
   p.cu_seqlens = in(cu);
   p.num_seqs = num_seqs;
-  p.o = out(o);
-  p.final_state = out(ht);
   p.scale = scale;
   p.state_layout = static_cast<qla::StateLayout>(layout);
   p.device = static_cast<qla::Device>(device);
   p.stream = reinterpret_cast<void*>(stream);
+}
+
+qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g,
+                                     const Desc& beta, const Desc& h0, const Desc& cu, int64_t num_seqs,
+                                     const Desc& o, const Desc& ht, double scale, int layout, int device,
+                                     uintptr_t stream, uintptr_t workspace, size_t workspace_bytes) {
+  qla::GdnForwardParams p;
+  fill_common(p, shape, q, k, v, g, beta, h0, cu, num_seqs, scale, layout, device, stream);
+  p.o = out(o);
+  p.final_state = out(ht);
   p.workspace = reinterpret_cast<void*>(workspace);
   p.workspace_bytes = workspace_bytes;
   return p;
@@ -114,15 +122,7 @@ NB_MODULE(_C, m) {
          const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
          int device, uintptr_t stream, int num_threads) {
         qla::GdnBackwardParams p;
-        p.shape = shape_of(shape);
-        p.q = in(q);
-        p.k = in(k);
-        p.v = in(v);
-        p.g = in(g);
-        p.beta = in(beta);
-        p.initial_state = in(h0);
-        p.cu_seqlens = in(cu);
-        p.num_seqs = num_seqs;
+        fill_common(p, shape, q, k, v, g, beta, h0, cu, num_seqs, scale, layout, device, stream);
         p.d_o = in(d_o);
         p.d_final_state = in(dht);
         p.dq = out(dq);
@@ -131,10 +131,6 @@ NB_MODULE(_C, m) {
         p.dg = out(dg);
         p.dbeta = out(dbeta);
         p.d_initial_state = out(dh0);
-        p.scale = scale;
-        p.state_layout = static_cast<qla::StateLayout>(layout);
-        p.device = static_cast<qla::Device>(device);
-        p.stream = reinterpret_cast<void*>(stream);
         p.num_threads = num_threads;
         qla::Status s;
         {
