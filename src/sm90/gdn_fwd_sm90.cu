@@ -6,10 +6,12 @@
 //   3. gdn_recur<T>:    sequential over chunks, one CTA per (sequence, value head, V tile of 64):
 //                       U = u - w S, O = diag(scale e^gamma) Q S + A U,
 //                       S = e^Gamma S + K^T diag(e^(Gamma-gamma)) U (all wgmma).
-// Precision: every wgmma operand that is not an exact input (Tm, w, A, S, U) is split into
-// bf16/fp16 hi + lo parts (x = hi + lo to ~16 mantissa bits), and u and the gates stay fp32.
-// Plain 16-bit rounding of the intermediates alone cost ~3e-3 relative L2 on bf16 inputs.
+// Precision: the wgmma operands that are not exact inputs (Tm, A, S, U, X) are split into
+// bf16/fp16 hi + lo parts (x = hi + lo to ~16 mantissa bits) except w (hi only); u and the gates
+// stay fp32. Plain 16-bit rounding of all intermediates cost ~3.4e-3 relative L2 on bf16 inputs.
 // See src/sm90/README.md for the design and budgets.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,26 +33,31 @@ using namespace cute;
 constexpr int kC = 64;    // chunk length
 constexpr int kDK = 128;  // head dim of q/k
 constexpr int kDV = 128;  // head dim of v
-constexpr int kVT = 64;   // V columns per recurrence CTA
-constexpr int kNVT = kDV / kVT;
+constexpr int kUT = 32;   // V columns per u tile of the workspace (recurrence V tiles: 32 or 64)
 
 // Workspace region of one (chunk, value head). The 16-bit part holds the exact shared-memory
 // bytes (swizzled GMMA layouts) that gdn_recur wants, so one plain bulk copy loads it:
-//   w_hi, w_lo (tok, d) | Q (tok, d) | K (tok, d) | A_hi, A_lo (i, j)        (elements of T)
-// followed by an fp32 part read straight from global memory (L2) by the math threads:
-//   u [tok][V] | gq[64] = scale e^gamma | gk[64] = e^(Gamma-gamma) (0 on padding) | e^Gamma
+//   w_hi (tok, d) | A_hi, A_lo (i, j)                                        (elements of T)
+// followed by an fp32 part that the producer also bulk-copies (the math loop never touches
+// global memory, whose latency would sit on the sequential path):
+//   u [V/32][tok][32] (each recurrence CTA's V tile contiguous) | gq[64] = scale e^gamma |
+//   gk[64] = e^(Gamma-gamma) (0 on padding) | e^Gamma | pad (528 bytes of gates in all)
+// Q and K are not copied: the recurrence loads them from q, k with the tensor-memory
+// accelerator (TMA), 128-byte swizzled. w_lo is not stored: its product moved the final state
+// error from ~5e-6 to ~1e-3 only (see README "Precision"), for 16 KiB per region.
 constexpr int kImgTokD = kC * kDK;   // 64 x 128
 constexpr int kImgTokTok = kC * kC;  // 64 x 64
 constexpr int kOffWh = 0;
-constexpr int kOffWl = kImgTokD;
-constexpr int kOffQ = 2 * kImgTokD;
-constexpr int kOffK = 3 * kImgTokD;
-constexpr int kOffAh = 4 * kImgTokD;
-constexpr int kOffAl = 4 * kImgTokD + kImgTokTok;
-constexpr int kStageElems = 4 * kImgTokD + 2 * kImgTokTok;  // 40960 elements = 80 KiB
-constexpr size_t kF32Off = size_t(kStageElems) * 2;        // byte offset of the fp32 part
+constexpr int kOffAh = kImgTokD;
+constexpr int kOffAl = kImgTokD + kImgTokTok;
+constexpr int kImgElems = kImgTokD + 2 * kImgTokTok;  // 16384 elements = 32 KiB
+constexpr size_t kF32Off = size_t(kImgElems) * 2;      // byte offset of the fp32 part
 constexpr int kFU = 0, kFGq = kC * kDV, kFGk = kFGq + kC, kFEG = kFGk + kC;
-constexpr size_t kRegionBytes = (kF32Off + (kFEG + 4) * 4 + 1023) & ~size_t(1023);  // 113 KiB
+constexpr uint32_t kImgBytes = kImgElems * 2;      // 16-bit image (32 KiB)
+constexpr uint32_t kQKBytes = kImgTokD * 2;        // one Q or K tile (16 KiB, two TMA boxes)
+constexpr uint32_t kGateBytes = (kFEG + 4 - kFGq) * 4;  // gq, gk, e^Gamma, pad (528 B, 16-B multiple)
+constexpr size_t kRegionBytes = (kF32Off + (kFEG + 4) * 4 + 1023) & ~size_t(1023);  // 65 KiB
+static_assert(kGateBytes % 16 == 0, "bulk copies move 16-byte multiples");
 
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>
@@ -69,8 +76,14 @@ struct Lay {
   using TokD_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _128>{}));                    // (tok, d)
   using DTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _64>{}, Step<_2, _1>{}));  // (d, tok)
   using TokTok_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _64>{}));                   // (i, j)
-  using VD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _128>{}));                     // (v, d) state
-  using VTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _64>{}));                    // (v, tok)
+};
+// Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
+// must not be wider than the tile).
+template <class T, int VT>
+struct RecLay {
+  using MNAtom = std::conditional_t<VT == 64, GMMA::Layout_MN_SW128_Atom<T>, GMMA::Layout_MN_SW64_Atom<T>>;
+  using VD_MN = decltype(tile_to_shape(MNAtom{}, Shape<Int<VT>, _128>{}));  // (v, d) state
+  using VTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<Int<VT>, _64>{}));  // (v, tok)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -106,6 +119,21 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
           smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+// 4-d tiled TMA load (128-byte swizzle is encoded in the tensor map), completing on bar.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];" ::
+          "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// 16-byte shared load (a broadcast here). Written out because the compiler otherwise splits
+// the substitution's row reads into four scalar LDS, four times the shared-memory instructions.
+__device__ __forceinline__ float4 lds128(uint32_t addr) {
+  float4 r;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(addr));
+  return r;
 }
 // Generic-proxy smem writes must be made visible to wgmma (async proxy) before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -206,7 +234,10 @@ template <class T>
 __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   using L = Lay<T>;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* sm = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // 1 KiB aligned (128-byte swizzle atoms), as an offset from smem_raw so that the compiler keeps
+  // the shared state space (LDS/STS, 32-bit addresses) and knows the alignment (vector accesses).
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   T* sQ = reinterpret_cast<T*>(sm);
   T* sK = sQ + kImgTokD;
   T* sV = sK + kImgTokD;
@@ -271,28 +302,35 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
   Tensor tVmn = make_tensor(make_smem_ptr(sV), typename L::DTok_MN{});  // (v, tok)
 
-  // Q, K, V -> smem (16-byte vectors; the swizzle keeps 8-element groups contiguous), and the
-  // raw Q, K images (same layout) to the workspace. Padding rows are zero.
+  // Q, K, V -> smem (16-byte vectors; the swizzle keeps 8-element groups contiguous).
+  // Padding rows are zero.
   const T* qb = static_cast<const T*>(p.q) + b * p.sq[0] + hq * p.sq[2];
   const T* kb = static_cast<const T*>(p.k) + b * p.sk[0] + hq * p.sk[2];
   const T* vb = static_cast<const T*>(p.v) + b * p.sv[0] + hv * p.sv[2];
-#pragma unroll 2
-  for (int it = 0; it < (kC * kDK / 8) / 128; ++it) {
+  // All 24 loads are issued before any store: the workspace stores could alias q/k/v as far as
+  // the compiler knows, so interleaving them would serialise one memory latency per row group.
+  constexpr int kLdIt = (kC * kDK / 8) / 128;
+  uint4 qv[kLdIt], kv[kLdIt], vv[kLdIt];
+#pragma unroll
+  for (int it = 0; it < kLdIt; ++it) {
     const int idx = tid + it * 128;
     const int row = idx >> 4, c8 = (idx & 15) * 8;
-    uint4 qv = make_uint4(0, 0, 0, 0), kv = qv, vv = qv;
+    qv[it] = kv[it] = vv[it] = make_uint4(0, 0, 0, 0);
     if (row < len) {
       const int64_t t = t0 + row;
-      qv = *reinterpret_cast<const uint4*>(qb + t * p.sq[1] + c8);
-      kv = *reinterpret_cast<const uint4*>(kb + t * p.sk[1] + c8);
-      vv = *reinterpret_cast<const uint4*>(vb + t * p.sv[1] + c8);
+      qv[it] = __ldg(reinterpret_cast<const uint4*>(qb + t * p.sq[1] + c8));
+      kv[it] = __ldg(reinterpret_cast<const uint4*>(kb + t * p.sk[1] + c8));
+      vv[it] = __ldg(reinterpret_cast<const uint4*>(vb + t * p.sv[1] + c8));
     }
+  }
+#pragma unroll
+  for (int it = 0; it < kLdIt; ++it) {
+    const int idx = tid + it * 128;
+    const int row = idx >> 4, c8 = (idx & 15) * 8;
     const int off = static_cast<int>(&tQ(row, c8) - sQ);
-    *reinterpret_cast<uint4*>(sQ + off) = qv;
-    *reinterpret_cast<uint4*>(sK + off) = kv;
-    *reinterpret_cast<uint4*>(&tVmn(c8, row)) = vv;
-    *reinterpret_cast<uint4*>(reg + kOffQ + off) = qv;
-    *reinterpret_cast<uint4*>(reg + kOffK + off) = kv;
+    *reinterpret_cast<uint4*>(sQ + off) = qv[it];
+    *reinterpret_cast<uint4*>(sK + off) = kv[it];
+    *reinterpret_cast<uint4*>(&tVmn(c8, row)) = vv[it];
   }
   fence_async_smem();
   __syncthreads();
@@ -329,13 +367,20 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j). Gates as differences (<= 0): no overflow.
   Tensor tAimg = make_tensor(make_smem_ptr(sAuh), typename L::TokTok_K{});  // offsets only
   Tensor cc1 = thr1.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  // Elements i, i+1 are columns c, c+1 of one row (adjacent in the K-major image): 4-byte stores.
   CUTE_UNROLL
-  for (int i = 0; i < size(accKK); ++i) {
+  for (int i = 0; i < size(accKK); i += 2) {
     const int r = get<0>(cc1(i)), c = get<1>(cc1(i));
-    const float e = r >= c ? expf(sGam[r] - sGam[c]) : 0.f;
-    sL[r * kLd + c] = r > c ? sBeta[r] * e * accKK(i) : 0.f;
+    __align__(4) T ah[2], al[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float e = r >= c + h ? expf(sGam[r] - sGam[c + h]) : 0.f;
+      sL[r * kLd + c + h] = r > c + h ? sBeta[r] * e * accKK(i + h) : 0.f;
+      split2(p.scale * e * accQK(i + h), ah[h], al[h]);
+    }
     const int off = static_cast<int>(&tAimg(r, c) - sAuh);
-    split2(p.scale * e * accQK(i), reg[kOffAh + off], reg[kOffAl + off]);
+    *reinterpret_cast<uint32_t*>(reg + kOffAh + off) = *reinterpret_cast<uint32_t*>(ah);
+    *reinterpret_cast<uint32_t*>(reg + kOffAl + off) = *reinterpret_cast<uint32_t*>(al);
   }
   __syncthreads();
 
@@ -346,10 +391,10 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
 #pragma unroll
     for (int i = 0; i < kC; ++i) {
       float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      const float4* Lr = reinterpret_cast<const float4*>(sL + i * kLd);
+      const uint32_t Lr = smem_u32(sL + i * kLd);
 #pragma unroll
       for (int j4 = 0; j4 < i / 4; ++j4) {
-        const float4 l = Lr[j4];
+        const float4 l = lds128(Lr + 16 * j4);
         a0 -= l.x * x[4 * j4 + 0];
         a1 -= l.y * x[4 * j4 + 1];
         a2 -= l.z * x[4 * j4 + 2];
@@ -407,28 +452,41 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   warpgroup_fence_operand(accW);
   warpgroup_fence_operand(accU);
 
-  // w as hi/lo (tok, d) K-major images; u fp32 row-major. Padding rows -> 0.
+  // w as a 16-bit (tok, d) K-major image; u fp32 [V/32][tok][32]. Padding rows -> 0.
   // Accumulator elements 2i, 2i+1 are columns c, c+1 of one row: stored as one pair.
   Tensor cc2 = thr2.partition_C(make_identity_tensor(Shape<_64, _128>{}));
   CUTE_UNROLL
   for (int i = 0; i < size(accW); i += 2) {
     const int r = get<0>(cc2(i)), c = get<1>(cc2(i));
     const bool ok = r < len;
-    __align__(4) T wh[2], wl[2];
-    split2(ok ? accW(i) : 0.f, wh[0], wl[0]);
-    split2(ok ? accW(i + 1) : 0.f, wh[1], wl[1]);
+    __align__(4) T wh[2] = {T(ok ? accW(i) : 0.f), T(ok ? accW(i + 1) : 0.f)};
     const int off = static_cast<int>(&tQ(r, c) - sQ);
     *reinterpret_cast<uint32_t*>(reg + kOffWh + off) = *reinterpret_cast<uint32_t*>(wh);
-    *reinterpret_cast<uint32_t*>(reg + kOffWl + off) = *reinterpret_cast<uint32_t*>(wl);
-    *reinterpret_cast<float2*>(regf + kFU + r * kDV + c) = make_float2(ok ? accU(i) : 0.f, ok ? accU(i + 1) : 0.f);
+    *reinterpret_cast<float2*>(regf + kFU + (c / kUT) * (kC * kUT) + r * kUT + c % kUT) =
+        make_float2(ok ? accU(i) : 0.f, ok ? accU(i + 1) : 0.f);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // 3. Recurrence. One CTA per (sequence, value head, V tile): warps 0-3 = math warpgroup,
-//    warp 4 = producer (one bulk copy of the chunk's 80 KiB image, 2-stage mbarrier ring).
+//    warp 4 = producer (bulk copies of the chunk's 32 KiB image, its u tile and gates, and TMA
+//    loads of its Q and K tiles, into a 2-stage mbarrier ring). The math loop reads only shared
+//    memory and registers.
 // ---------------------------------------------------------------------------------------------
+// Precision bits: which hi/lo correction products the recurrence adds (the hi*hi product is
+// always there). Every operand that is not an exact input is rounded to 16 bits otherwise.
+// (Bit 1, w_lo S_hi, was dropped with the w_lo image; it is why bits 30 is "all".)
+enum : int {
+  kPrecSlo = 2,   // w_hi S_lo and Q S_lo
+  kPrecAlo = 4,   // A_lo U_hi
+  kPrecUlo = 8,   // A_hi U_lo
+  kPrecXlo = 16,  // K^T X_lo
+  kPrecAll = 30,
+};
+constexpr int kPrecDefault = kPrecAll;
+
 struct RecParams {
+  CUtensorMap tmq, tmk;  // q, k as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
   SeqDesc sd;
   const int* chunk_off;
   const void* regions;
@@ -439,30 +497,56 @@ struct RecParams {
   int vk;  // StateLayout::kVK
   void* o;
   int64_t so[3];
-  int HV;
+  int H, HV;
+  int prec;  // kPrec* bits
 };
 
 constexpr int kStages = 2;
-constexpr size_t kRecSmem = 1024 + kStages * kStageElems * 2 + (2 * kDK * kVT + 4 * kC * kVT) * 2 + 4 * 8;
+// Stage: 16-bit image | Q | K | u tile (fp32, 64 x 64) | gates (528 B, padded to 1 KiB: keeps the
+// next stage 1024-byte aligned for the 128-byte swizzle; the mbarriers live in stage 0's padding).
+template <int VT>
+struct RecCfg {
+  static constexpr uint32_t kUBytes = kC * VT * 4;  // u of the CTA's V tile
+  static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStU = kStK + kQKBytes, kStG = kStU + kUBytes;
+  static constexpr uint32_t kStageBytes = kStG + 1024;
+  static constexpr uint32_t kBarOff = kStG + 768;
+  static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kUBytes + kGateBytes;
+  // S hi/lo (2 x 128 x VT) and U, X hi/lo (4 x 64 x VT) share one buffer (see below).
+  static constexpr size_t kSmem = 1024 + kStages * size_t(kStageBytes) + 2 * kDK * VT * 2;
+  static_assert(kSmem <= 232448, "recurrence smem over the 227 KiB limit");
+};
+// One 32 KiB buffer holds S hi/lo during batch 1 and U hi/lo, X hi/lo during batch 2: their
+// lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
+static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
 
-template <class T>
-__global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
+template <class T, int VT>
+__global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecParams p) {
   using L = Lay<T>;
+  using RL = RecLay<T, VT>;
+  using Cfg = RecCfg<VT>;
+  constexpr uint32_t kStageBytes = Cfg::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* sm = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  T* sStage = reinterpret_cast<T*>(sm);
-  T* sSh = sStage + kStages * kStageElems;  // state hi/lo (v, d)
-  T* sSl = sSh + kDK * kVT;
-  T* sUh = sSl + kDK * kVT;  // U hi/lo (v, tok)
-  T* sUl = sUh + kC * kVT;
-  T* sXh = sUl + kC * kVT;   // diag(e^(Gamma-gamma)) U hi/lo (v, tok)
-  T* sXl = sXh + kC * kVT;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sXl + kC * kVT);
+  // 1 KiB aligned (128-byte swizzle atoms), as an offset from smem_raw so that the compiler keeps
+  // the shared state space (LDS/STS, 32-bit addresses) and knows the alignment (vector accesses).
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  T* sSh = reinterpret_cast<T*>(sm + kStages * kStageBytes);  // state hi/lo (v, d)
+  T* sSl = sSh + kDK * VT;
+  T* sUh = sSh;              // U hi/lo (v, tok), same bytes as the state images
+  T* sUl = sUh + kC * VT;
+  T* sXh = sUl + kC * VT;   // diag(e^(Gamma-gamma)) U hi/lo (v, tok)
+  T* sXl = sXh + kC * VT;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
   uint64_t* empty = full + kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int n = blockIdx.x, hv = blockIdx.y, vt = blockIdx.z;
   const int HV = p.HV;
+#ifdef QLA_SM90_TEST_HOOKS
+  const int prec = p.prec;
+#else
+  const int prec = kPrecDefault;  // compile-time: no branches around the wgmma batches
+#endif
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC);
@@ -480,35 +564,48 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
 
   if (warp == 4) {  // producer
     if ((tid & 31) == 0) {
+      const int hq = hv / (HV / p.H);
       for (int c = 0; c < nch; ++c) {
         const int st = c % kStages;
+        const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * HV + hv) * kRegionBytes;
+        uint8_t* dst = sm + st * kStageBytes;
+        // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
+        // finite, and harmless (their O rows are not stored, their X rows are zero).
+        const int tok = static_cast<int>(t0) + c * kC;
         mbar_wait(&empty[st], ((c / kStages) & 1) ^ 1);
-        mbar_expect_tx(&full[st], kStageElems * 2);
-        bulk_g2s(sStage + st * kStageElems, regions + (static_cast<size_t>(ci0 + c) * HV + hv) * kRegionBytes,
-                 kStageElems * 2, &full[st]);
+        mbar_expect_tx(&full[st], Cfg::kStageTx);
+        bulk_g2s(dst, src, kImgBytes, &full[st]);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {  // two 64-column boxes = the two K-blocks of the GMMA tile
+          tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+          tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+        }
+        // u tiles [V/32][tok][32] of this V tile are consecutive: one copy.
+        bulk_g2s(dst + Cfg::kStU, src + kF32Off + size_t(vt) * Cfg::kUBytes, Cfg::kUBytes, &full[st]);
+        bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
       }
     }
     return;
   }
 
   // ---- math warpgroup ----
-  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::MN>());
-  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
   auto thrU = mmaU.get_thread_slice(tid);
   auto thrS = mmaS.get_thread_slice(tid);
-  Tensor tSh = make_tensor(make_smem_ptr(sSh), typename L::VD_MN{});    // (v, d)
-  Tensor tUh = make_tensor(make_smem_ptr(sUh), typename L::VTok_MN{});  // (v, tok)
-  Tensor accS = partition_fragment_C(mmaS, Shape<_128, _64>{});         // (d, v) fp32 state
-  Tensor accU = partition_fragment_C(mmaU, Shape<_64, _64>{});
-  Tensor accO = partition_fragment_C(mmaU, Shape<_64, _64>{});
-  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, _64>{}));
-  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  Tensor tSh = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});    // (v, d)
+  Tensor tUh = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok)
+  Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});      // (d, v) fp32 state
+  Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+  Tensor accO = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
+  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
   Tensor rSh = thrU.partition_fragment_B(tSh);
-  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename L::VD_MN{}));
+  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
   Tensor rUh = thrU.partition_fragment_B(tUh);
-  Tensor rUl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename L::VTok_MN{}));
-  Tensor rXh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXh), typename L::VTok_MN{}));
-  Tensor rXl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXl), typename L::VTok_MN{}));
+  Tensor rUl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
+  Tensor rXh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXh), typename RL::VTok_MN{}));
+  Tensor rXl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXl), typename RL::VTok_MN{}));
 
   // State tile -> hi/lo 16-bit copies. Elements 2i, 2i+1 are columns v, v+1 (adjacent in the
   // MN-major (v, .) layouts), so they are written as one 4-byte pair; hi/lo share offsets.
@@ -526,7 +623,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
     math_bar();
   };
 
-  const int v0 = vt * kVT;
+  const int v0 = vt * VT;
   const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
   CUTE_UNROLL
   for (int i = 0; i < size(accS); ++i) {
@@ -538,19 +635,20 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
   T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
   for (int c = 0; c < nch; ++c) {
     const int st = c % kStages;
-    const float* regf = reinterpret_cast<const float*>(
-        regions + (static_cast<size_t>(ci0 + c) * HV + hv) * kRegionBytes + kF32Off);
-    const float eG = regf[kFEG];
+    uint8_t* stb = sm + st * kStageBytes;
+    T* base = reinterpret_cast<T*>(stb);
+    const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
+    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
     mbar_wait(&full[st], (c / kStages) & 1);
-    T* base = sStage + st * kStageElems;
+    T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
+    T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
     Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::TokD_K{}));
-    Tensor rWl = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWl), typename L::TokD_K{}));
-    Tensor rQ = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffQ), typename L::TokD_K{}));
+    Tensor rQ = thrU.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename L::TokD_K{}));
     Tensor rAh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_K{}));
     Tensor rAl = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_K{}));
-    Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffK), typename L::DTok_MN{}));
+    Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
 
-    // Batch 1: accU = w S (w_hi S_hi + w_hi S_lo + w_lo S_hi), accO = Q S (Q exact).
+    // Batch 1: accU = w S (w_hi S_hi [+ w_hi S_lo]), accO = Q S_hi [+ Q S_lo].
     warpgroup_fence_operand(accU);
     warpgroup_fence_operand(accO);
     warpgroup_arrive();
@@ -560,29 +658,32 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
       cute::gemm(mmaU, rWh(_, _, k), rSh(_, _, k), accU);
       mmaU.accumulate_ = GMMA::ScaleOut::One;
     }
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rWl); ++k) cute::gemm(mmaU, rWl(_, _, k), rSh(_, _, k), accU);
+    if (prec & kPrecSlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
+    }
     mmaU.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(rQ); ++k) {
       cute::gemm(mmaU, rQ(_, _, k), rSh(_, _, k), accO);
       mmaU.accumulate_ = GMMA::ScaleOut::One;
     }
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accO);
+    if (prec & kPrecSlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accO);
+    }
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accU);
     warpgroup_fence_operand(accO);
+    math_bar();  // every warp is done reading S hi/lo: U, X overwrite those bytes
 
     // U = u - w S (fp32), stored as hi/lo and gated hi/lo; O rows scaled by scale e^gamma.
     CUTE_UNROLL
     for (int i = 0; i < size(accU); i += 2) {
       const int r = get<0>(cU(i)), v = get<1>(cU(i));
-      const float2 u2 = *reinterpret_cast<const float2*>(regf + kFU + r * kDV + v0 + v);
-      const float gk = regf[kFGk + r], gq = regf[kFGq + r];
+      const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + r * kUT + v % kUT);
+      const float gq = sG[r], gk = sG[kC + r];
       const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
       __align__(4) T uh[2], ul[2], xh[2], xl[2];
       split2(x0, uh[0], ul[0]);
@@ -597,10 +698,11 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
       accO(i) *= gq;
       accO(i + 1) *= gq;
     }
+    const float eG = sG[2 * kC];
     fence_async_smem();
     math_bar();
 
-    // Batch 2: O += A U (A_hi U_hi + A_hi U_lo + A_lo U_hi); S = e^Gamma S + K^T X (X hi + lo).
+    // Batch 2: O += A U (A_hi U_hi [+ A_hi U_lo] [+ A_lo U_hi]); S = e^Gamma S + K^T X (X_hi [+ X_lo]).
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
     warpgroup_fence_operand(accO);
@@ -609,20 +711,27 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
     mmaU.accumulate_ = GMMA::ScaleOut::One;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUh(_, _, k), accO);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accO);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accO);
+    if (prec & kPrecUlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accO);
+    }
+    if (prec & kPrecAlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accO);
+    }
     mmaS.accumulate_ = GMMA::ScaleOut::One;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXh(_, _, k), accS);
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+    if (prec & kPrecXlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+    }
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     mbar_arrive(&empty[st]);  // stage fully consumed (all wgmma reading it are done)
+    math_bar();               // every warp is done reading U, X: the state images overwrite them
 
     // O (rows past the sequence end are not written: they belong to the next sequence).
     const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
@@ -635,7 +744,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
             *reinterpret_cast<uint32_t*>(pr);
       }
     }
-    // New state copies for the next chunk (batch 1 of this chunk finished reading the old ones).
+    // New state copies for the next chunk.
     store_state();
   }
 
@@ -652,6 +761,12 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(RecParams p) {
 // ---------------------------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------------------------
+#ifdef QLA_SM90_TEST_HOOKS
+int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
+int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
+int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
+#endif
+
 Status cuda_err(cudaError_t e, const char* what) {
   return Status::Error(StatusCode::kCudaError, std::string("sm90 forward: ") + what + ": " + cudaGetErrorString(e));
 }
@@ -699,6 +814,36 @@ const char* dt_name(DType d) {
 
 bool aligned(const void* ptr, size_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
 
+// Tensor map of q or k as (d, head, token, batch) with a (64, 1, 64, 1) box and 128-byte
+// swizzle: one box is one K-block (64 tokens x 64 d) of the recurrence's GMMA tile. The driver
+// entry point comes through the runtime (no libcuda link).
+Status make_qk_map(CUtensorMap* map, const TensorRef& t, const GdnForwardParams& p) {
+  *map = CUtensorMap{};
+  if (p.shape.seqlen == 0 || p.shape.batch == 0) return Status::Ok();  // never read
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;  // benign race: same value
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+      return cuda_err(e != cudaSuccess ? e : cudaErrorNotSupported, "cuTensorMapEncodeTiled entry point");
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDK), static_cast<cuuint64_t>(p.shape.num_qk_heads),
+                              static_cast<cuuint64_t>(p.shape.seqlen), static_cast<cuuint64_t>(p.shape.batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride[2]) * 2, static_cast<cuuint64_t>(t.stride[1]) * 2,
+                                 static_cast<cuuint64_t>(t.stride[0]) * 2};
+  const cuuint32_t box[4] = {64, 1, kC, 1};
+  const cuuint32_t estride[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, t.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(t.data), dims, strides, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "sm90 forward: cuTensorMapEncodeTiled failed for q/k (error " + std::to_string(int(r)) + ")");
+  return Status::Ok();
+}
+
 template <class T>
 Status launch(const GdnForwardParams& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -715,30 +860,41 @@ Status launch(const GdnForwardParams& p) {
   sd.T = p.shape.seqlen;
   int* table = reinterpret_cast<int*>(ws + wl.table);
 
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
+  int stages = 3;
+#ifdef QLA_SM90_TEST_HOOKS
+  stages = g_test_stages;
+#endif
+  if (stages & 1) {
+    gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
 
-  if (mc > 0) {
-    PrepParams pp{};
-    pp.q = p.q.data; pp.k = p.k.data; pp.v = p.v.data; pp.g = p.g.data; pp.beta = p.beta.data;
-    for (int i = 0; i < 3; ++i) { pp.sq[i] = p.q.stride[i]; pp.sk[i] = p.k.stride[i]; pp.sv[i] = p.v.stride[i]; }
-    for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
-    pp.g_dt = static_cast<int>(p.g.dtype);
-    pp.b_dt = static_cast<int>(p.beta.dtype);
-    pp.sd = sd;
-    pp.N = N;
-    pp.H = static_cast<int>(p.shape.num_qk_heads);
-    pp.HV = HV;
-    pp.chunk_off = table;
-    pp.regions = ws + wl.regions;
-    pp.scale = p.scale;
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
-                 "cudaFuncSetAttribute(gdn_prep)");
-    gdn_prep<T><<<dim3(static_cast<unsigned>(mc), HV), 128, kPrepSmem, stream>>>(pp);
-    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
+    if (mc > 0) {
+      PrepParams pp{};
+      pp.q = p.q.data; pp.k = p.k.data; pp.v = p.v.data; pp.g = p.g.data; pp.beta = p.beta.data;
+      for (int i = 0; i < 3; ++i) { pp.sq[i] = p.q.stride[i]; pp.sk[i] = p.k.stride[i]; pp.sv[i] = p.v.stride[i]; }
+      for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
+      pp.g_dt = static_cast<int>(p.g.dtype);
+      pp.b_dt = static_cast<int>(p.beta.dtype);
+      pp.sd = sd;
+      pp.N = N;
+      pp.H = static_cast<int>(p.shape.num_qk_heads);
+      pp.HV = HV;
+      pp.chunk_off = table;
+      pp.regions = ws + wl.regions;
+      pp.scale = p.scale;
+      QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
+                   "cudaFuncSetAttribute(gdn_prep)");
+      gdn_prep<T><<<dim3(static_cast<unsigned>(mc), HV), 128, kPrepSmem, stream>>>(pp);
+      QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
+    }
   }
+  if (!(stages & 2)) return Status::Ok();
 
   RecParams rp{};
+  Status ms = make_qk_map(&rp.tmq, p.q, p);
+  if (!ms.ok()) return ms;
+  ms = make_qk_map(&rp.tmk, p.k, p);
+  if (!ms.ok()) return ms;
   rp.sd = sd;
   rp.chunk_off = table;
   rp.regions = ws + wl.regions;
@@ -747,10 +903,30 @@ Status launch(const GdnForwardParams& p) {
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = p.initial_state.stride[i]; rp.shT[i] = p.final_state.stride[i]; rp.so[i] = p.o.stride[i]; }
   rp.vk = p.state_layout == StateLayout::kVK;
   rp.o = p.o.data;
+  rp.H = static_cast<int>(p.shape.num_qk_heads);
   rp.HV = HV;
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kRecSmem),
-               "cudaFuncSetAttribute(gdn_recur)");
-  gdn_recur<T><<<dim3(N, HV, kNVT), 160, kRecSmem, stream>>>(rp);
+  rp.prec = kPrecDefault;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_prec >= 0) rp.prec = g_test_prec;
+#endif
+  // V tile 32 (4 CTAs per sequence and head) when that still fits on the SMs: the sequential
+  // chunk loop is latency-bound, and a narrower tile roughly halves its per-chunk work.
+  int dev = 0, sms = 0;
+  QLA_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+  QLA_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  bool vt32 = static_cast<int64_t>(N) * HV * (kDV / 32) <= sms;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_vt) vt32 = g_test_vt == 32;
+#endif
+  if (vt32) {
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 32>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<32>::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur)");
+    gdn_recur<T, 32><<<dim3(N, HV, kDV / 32), 160, RecCfg<32>::kSmem, stream>>>(rp);
+  } else {
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur)");
+    gdn_recur<T, 64><<<dim3(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
+  }
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
   return Status::Ok();
 }
@@ -758,6 +934,14 @@ Status launch(const GdnForwardParams& p) {
 }  // namespace
 
 bool compiled() { return true; }
+
+#ifdef QLA_SM90_TEST_HOOKS
+// Test builds only (tests/cuda/sm90_forward_test.cu): pick the recurrence's hi/lo correction
+// products (kPrec* bits; -1 restores the default) to measure precision against speed.
+void set_test_precision(int bits) { g_test_prec = bits; }
+void set_test_stages(int bits) { g_test_stages = bits; }
+void set_test_vt(int vt) { g_test_vt = vt; }
+#endif
 
 Status check_supported(const GdnForwardParams& p) {
   auto ns = [](std::string m) { return Status::Error(StatusCode::kNotSupported, "sm90 forward: " + m); };

@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 B=.sm90_build/sm90_forward_test
 build() {
   mkdir -p .sm90_build
-  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+  /usr/local/cuda/bin/nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DQLA_SM90_TEST_HOOKS \
     -Iinclude -I.cutlass_include src/sm90/gdn_fwd_sm90.cu tests/cuda/sm90_forward_test.cu -o $B 2>&1 | tee "$OUT/build.log"
 }
 [ "$REBUILD" = 1 ] && build

@@ -2,9 +2,13 @@
 //
 // Build (until the CMake target exists), from the repository root:
 //   CUTE=$(python3 -c "import cutlass_library,os;print(os.path.join(os.path.dirname(cutlass_library.__file__),'source','include'))")
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr [-DQLA_SM90_TEST_HOOKS] \
 //        -Iinclude -I$CUTE src/sm90/gdn_fwd_sm90.cu tests/cuda/sm90_forward_test.cu -o sm90_forward_test
-// (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench]
+// (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench] [--prec-sweep]
+// [--profile ROW]. --bench times the grid rows of bench_rows() (inputs made on the device);
+// with the hooks it also times table + prep alone. --prec-sweep (hooks only) runs every case and
+// row with both recurrence V tiles and two reduced precision settings. --profile runs one
+// forward of a bench row and nothing else (for ncu).
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,12 +18,23 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../../src/backends.h"
+
+// Test hook, compiled into gdn_fwd_sm90.cu with -DQLA_SM90_TEST_HOOKS (tests/cuda/run_sm90_device.sh):
+// which hi/lo correction products the recurrence adds (-1: the library default).
+#ifdef QLA_SM90_TEST_HOOKS
+namespace qla { namespace sm90 {
+void set_test_precision(int bits);
+void set_test_stages(int bits);
+void set_test_vt(int vt);
+} }
+#endif
 
 using qla::DType;
 using qla::StateLayout;
@@ -42,7 +57,7 @@ struct Case {
   std::vector<int64_t> lens;  // non-empty: varlen (B = 1, T = sum)
   StateLayout layout = StateLayout::kKV;
   bool h0 = true;
-  int gmode = 0;  // 0: logsigmoid(randn)/16, 1: logsigmoid(randn), 2: zero
+  int gmode = 0;  // 0: logsigmoid(randn)/16, 1: logsigmoid(randn), 2: zero, 3: as 0 but zero on every 4th head
   DType qdt = DType::kBFloat16;
   DType gdt = DType::kFloat32;
   int64_t tpad = 0;  // extra elements per token in q/k/v (strided views)
@@ -103,10 +118,11 @@ static void make_inputs(Problem& P, uint64_t seed) {
     }
   }
   for (auto& x : P.v) x = roundto(nd(rng), c.qdt);
-  for (auto& x : P.g) {
+  for (size_t i = 0; i < P.g.size(); ++i) {
     const float z = nd(rng);
     const float ls = -std::log1p(std::exp(-z));  // logsigmoid
-    x = roundto(c.gmode == 0 ? ls / 16.f : c.gmode == 1 ? ls : 0.f, c.gdt);
+    const bool zero_head = c.gmode == 3 && (i % c.HV) % 4 == 0;
+    P.g[i] = roundto(c.gmode == 0 || (c.gmode == 3 && !zero_head) ? ls / 16.f : c.gmode == 1 ? ls : 0.f, c.gdt);
   }
   for (auto& x : P.beta) x = roundto(1.f / (1.f + std::exp(-nd(rng))), c.gdt);
   P.h0.assign(c.h0 ? P.N * c.HV * K * V : 0, 0.f);
@@ -311,6 +327,8 @@ static Problem make_problem(const Case& c) {
   return P;
 }
 
+static double g_max_o = 0, g_max_h = 0;  // worst errors since the last reset (precision sweep)
+
 static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool graph) {
   Problem P = make_problem(c);
   make_inputs(P, seed);
@@ -323,6 +341,8 @@ static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool gra
   if (!s.ok()) { std::printf("%-34s forward: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   CK(cudaStreamSynchronize(stream));
   Err e = compare(P, D);
+  g_max_o = std::max(g_max_o, e.o);
+  g_max_h = std::max(g_max_h, e.h);
   const double thr = 3e-3;
   bool ok = !e.nan && e.o <= thr && e.h <= thr;
   std::printf("%-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  o %.3e  state %.3e%s  %s", c.name.c_str(),
@@ -357,15 +377,65 @@ static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool gra
   return ok;
 }
 
-static void bench(const Case& c, cudaStream_t stream) {
+// Bench inputs generated on the device (host generation of ~10^8 normals takes seconds):
+// the benchmark distribution of docs/benchmarks.md from a counter hash.
+__device__ __forceinline__ float hash_normal(uint64_t i, uint64_t seed) {
+  uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u1 = ((z >> 40) + 0.5f) * (1.f / 16777216.f), u2 = ((z & 0xFFFFFF) + 0.5f) * (1.f / 16777216.f);
+  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+}
+// rows of 128 16-bit values (optionally l2-normalised), one warp per row.
+__global__ void fill_rows16(uint16_t* x, int64_t rows, int64_t pitch, uint64_t seed, int bf16, int normalize) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  float v[4], ss = 0.f;
+  for (int j = 0; j < 4; ++j) { v[j] = hash_normal(r * 128 + lane * 4 + j, seed); ss += v[j] * v[j]; }
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float sc = normalize ? rsqrtf(ss) : 1.f;
+  for (int j = 0; j < 4; ++j) {
+    const float y = v[j] * sc;
+    x[r * pitch + lane * 4 + j] = bf16 ? __bfloat16_as_ushort(__float2bfloat16(y)) : __half_as_ushort(__float2half(y));
+  }
+}
+// g = logsigmoid(randn)/16 (0 on every 4th head), beta = sigmoid(randn), fp32; h0 = randn.
+__global__ void fill_gates(float* g, float* beta, int64_t n, int HV, uint64_t seed) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float z = hash_normal(i, seed), y = hash_normal(i, seed + 1);
+  g[i] = (i % HV) % 4 == 0 ? 0.f : -log1pf(expf(-z)) / 16.f;
+  beta[i] = 1.f / (1.f + expf(-y));
+}
+__global__ void fill_f32(float* x, int64_t n, uint64_t seed) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = hash_normal(i, seed);
+}
+
+static void bench_inputs(const Problem& P, Dev& D) {
+  const Case& c = P.c;
+  const int64_t BT = c.B * c.T;
+  const int bf = c.qdt == DType::kBFloat16;
+  auto blocks = [](int64_t n) { return unsigned((n + 255) / 256); };
+  fill_rows16<<<blocks(BT * c.H * 32), 256>>>((uint16_t*)D.q, BT * c.H, 128, 11, bf, 1);
+  fill_rows16<<<blocks(BT * c.H * 32), 256>>>((uint16_t*)D.k, BT * c.H, 128, 12, bf, 1);
+  fill_rows16<<<blocks(BT * c.HV * 32), 256>>>((uint16_t*)D.v, BT * c.HV, 128, 13, bf, 0);
+  fill_gates<<<blocks(BT * c.HV), 256>>>((float*)D.g, (float*)D.beta, BT * c.HV, (int)c.HV, 14);
+  if (c.h0) fill_f32<<<blocks(P.N * c.HV * 128 * state_row_pitch()), 256>>>(D.h0, P.N * c.HV * 128 * state_row_pitch(), 15);
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+}
+
+static double bench(const Case& c, cudaStream_t stream) {
   Problem P = make_problem(c);
-  make_inputs(P, 7);
   Dev D;
   setup(P, D, stream);
-  upload_inputs(P, D);
+  bench_inputs(P, D);
   for (int i = 0; i < 3; ++i) {
     qla::Status s = qla::sm90::forward(D.p);
-    if (!s.ok()) { std::printf("bench forward: %s\n", s.message().c_str()); return; }
+    if (!s.ok()) { std::printf("bench forward: %s\n", s.message().c_str()); return 0; }
   }
   CK(cudaStreamSynchronize(stream));
   cudaEvent_t a, b;
@@ -383,25 +453,77 @@ static void bench(const Case& c, cudaStream_t stream) {
   }
   std::sort(ts.begin(), ts.end());
   const double t = ts[ts.size() / 2] * 1e-3;
+  double tprep = 0;  // table + prep alone (test builds with hooks)
+#ifdef QLA_SM90_TEST_HOOKS
+  qla::sm90::set_test_stages(1);
+  ts.clear();
+  for (int r = 0; r < 10; ++r) {
+    CK(cudaEventRecord(a, stream));
+    (void)qla::sm90::forward(D.p);
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  qla::sm90::set_test_stages(3);
+  std::sort(ts.begin(), ts.end());
+  tprep = ts[ts.size() / 2] * 1e-3;
+#endif
   const double tok = double(P.c.T) * P.c.B;
   const double flops = 163840.0 * tok * c.HV;
   const double bytes = tok * (2 * 2.0 * c.H * K + 2 * 2.0 * c.HV * V + 8.0 * c.HV) +
                        (c.h0 ? 2.0 : 1.0) * P.N * c.HV * K * V * 4;
   const double floor = std::max(flops / 790e12, bytes / 4.28e12);
-  std::printf("bench %-28s N=%lld T=%lld H=%lld HV=%lld: %8.1f us  floor %6.1f us  x%.1f  (ws %.1f MB)\n",
+  std::printf("bench %-28s N=%lld T=%lld H=%lld HV=%lld: %8.1f us (prep %7.1f)  floor %6.1f us  x%.1f  (ws %.0f MB)\n",
               c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, t * 1e6,
-              floor * 1e6, t / floor, D.ws_bytes / 1e6);
+              tprep * 1e6, floor * 1e6, t / floor, D.ws_bytes / 1e6);
   free_dev(D);
+  return t;
+}
+
+static std::vector<Case> bench_rows() {
+  std::vector<Case> r;
+  auto row = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) {
+    Case c; c.name = name; c.B = B; c.T = T; c.H = H; c.HV = HV; r.push_back(c);
+  };
+  // Grid rows (K = V = 128, h0 and final state), FLA Triton on this H200 in brackets.
+  row("35B TP1 1x32768 [FLA 2.37]", 1, 32768, 16, 32);
+  row("35B TP1 8192x4", 4, 8192, 16, 32);
+  row("397B TP8 1x32768 [FLA 2.10]", 1, 32768, 2, 8);
+  row("397B TP1 8192x4 [FLA 3.88]", 4, 8192, 16, 64);
+  row("2B TP1 1x32768 [FLA 2.12]", 1, 32768, 16, 16);
+  row("2B TP1 1024x8", 8, 1024, 16, 16);
+  row("397B TP4 4096x4", 4, 4096, 4, 16);
+  return r;
 }
 
 int main(int argc, char** argv) {
-  const bool do_bench = argc > 1 && std::string(argv[1]) == "--bench";
+  bool do_bench = false, do_sweep = false;
+  int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--bench") do_bench = true;
+    if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
+    if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
+  }
   int ndev = 0;
   // 77: skipped (ctest SKIP_RETURN_CODE) on machines without a GPU, such as CI.
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
   cudaStream_t stream;
   CK(cudaStreamCreate(&stream));
   bool ok = true;
+  if (profile_row >= 0) {
+    const Case c = bench_rows().at(profile_row);
+    Problem P = make_problem(c);
+    Dev D;
+    setup(P, D, stream);
+    bench_inputs(P, D);
+    qla::Status s = qla::sm90::forward(D.p);
+    CK(cudaStreamSynchronize(stream));
+    std::printf("profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
+    free_dev(D);
+    return s.ok() ? 0 : 1;
+  }
 
   // check_supported must refuse K != 128.
   {
@@ -428,15 +550,53 @@ int main(int argc, char** argv) {
   { Case c; c.name = "bf16 fp16-g strided no-h0 kVK"; c.B = 3; c.T = 64; c.H = 1; c.HV = 1; c.gdt = DType::kFloat16;
     c.tpad = 8; c.h0 = false; c.layout = StateLayout::kVK; cases.push_back(c); }
   { Case c; c.name = "long g=0 T2048"; c.B = 1; c.T = 2048; c.H = 1; c.HV = 2; c.gmode = 2; cases.push_back(c); }
+  { Case c; c.name = "bench dist T1536 GVA4 (g=0 head 0)"; c.B = 1; c.T = 1536; c.H = 1; c.HV = 4; c.gmode = 3;
+    cases.push_back(c); }
 
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1) && ok;
 
-  if (do_bench) {
-    Case a; a.name = "B1 T8192 H16 HV32"; a.B = 1; a.T = 8192; a.H = 16; a.HV = 32; a.h0 = false; bench(a, stream);
-    Case b; b.name = "B4 T4096 H4 HV8 (TP4)"; b.B = 4; b.T = 4096; b.H = 4; b.HV = 8; bench(b, stream);
-    Case d; d.name = "B8 T4096 H16 HV32"; d.B = 8; d.T = 4096; d.H = 16; d.HV = 32; bench(d, stream);
-    Case e; e.name = "B1 T32768 H4 HV8"; e.B = 1; e.T = 32768; e.H = 4; e.HV = 8; e.h0 = false; bench(e, stream);
+  if (do_bench)
+    for (const Case& c : bench_rows()) bench(c, stream);
+
+#ifdef QLA_SM90_TEST_HOOKS
+  if (do_sweep) {
+    // Both recurrence V tiles on every case and bench row (the automatic choice takes 32 when
+    // sequences x heads x 4 fit on the SMs), then precision bits of gdn_recur (2 S_lo,
+    // 4 A_lo U_hi, 8 A_hi U_lo, 16 X_lo; 30 = default): worst o / state error over the cases.
+    std::vector<Case> rows = bench_rows();
+    std::vector<std::string> lines;
+    for (int vt : {64, 32}) {
+      qla::sm90::set_test_vt(vt);
+      std::printf("--- V tile %d\n", vt);
+      bool mok = true;
+      g_max_o = g_max_h = 0;
+      for (size_t i = 0; i < cases.size(); ++i) mok = run_case(cases[i], 5678 + i, stream, i == 1) && mok;
+      ok = ok && mok;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "V tile %d: max o %.2e  max state %.2e  %s", vt, g_max_o, g_max_h, mok ? "ok" : "FAIL");
+      lines.push_back(buf);
+      for (const Case& c : rows) {
+        const double t = bench(c, stream);
+        std::snprintf(buf, sizeof buf, "  V tile %d  %-30s %.3f ms", vt, c.name.c_str(), t * 1e3);
+        lines.push_back(buf);
+      }
+    }
+    qla::sm90::set_test_vt(0);
+    for (int m : {26, 18}) {
+      qla::sm90::set_test_precision(m);
+      g_max_o = g_max_h = 0;
+      bool mok = true;
+      for (size_t i = 0; i < cases.size(); ++i) mok = run_case(cases[i], 9012 + i, stream, false) && mok;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "bits %2d: max o %.2e  max state %.2e  %s", m, g_max_o, g_max_h, mok ? "ok" : "over 3e-3");
+      lines.push_back(buf);
+    }
+    qla::sm90::set_test_precision(-1);
+    for (auto& l : lines) std::printf("%s\n", l.c_str());
   }
+#else
+  if (do_sweep) std::printf("--prec-sweep needs a build with -DQLA_SM90_TEST_HOOKS\n");
+#endif
   CK(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
   return ok ? 0 : 1;
