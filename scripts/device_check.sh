@@ -44,7 +44,8 @@ if want tests; then
   build/device/tests/cpp/qla_sm90_forward_test 2>&1 | tee "$OUT/sm90_test.log" | tail -14
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   echo "== pytest (GPU and CPU suites)"
-  python3 -m pytest tests/python -q -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/pytest.log" | tail -15
+  # PYTEST_TARGETS narrows the suites (the CPU suites also run in CI), e.g. tests/python/test_cuda_forward.py
+  python3 -m pytest ${PYTEST_TARGETS:-tests/python} -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest.log" | tail -15
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 
@@ -57,14 +58,14 @@ fi
 
 if want bench; then
   echo "== qla.bench"
-  python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
+  timeout 120 python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
   python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -6
 fi
 
 if want grid; then
   echo "== forward grid"
   # GRID_ARGS narrows the rows or backends, e.g. "--layouts 1x32768,8192x4 --backends qla,fla".
-  python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
+  timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
     | tee "$OUT/grid_fwd.log" | tail -45
 fi
 if want grid-bwd; then
