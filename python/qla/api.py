@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -232,9 +234,10 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state (fp32, same layout).
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first.
         use_beta_sigmoid_in_kernel: beta = sigmoid(beta) first.
-        allow_neg_eigval: beta is scaled by 2 (range [0, 2]) after the sigmoid, if any.
+        allow_neg_eigval: with use_beta_sigmoid_in_kernel, beta = 2 * sigmoid(beta) (range [0, 2)).
         cu_seqlens: [N + 1] int32/int64 boundaries of packed sequences (requires B == 1).
         use_gate_in_kernel: g = -exp(A_log) * softplus(g + dt_bias), A_log and dt_bias [HV].
+        transpose_state_layout: FLA's former name of state_v_first (deprecated).
         cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
             cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
             boundaries without a device synchronisation.
@@ -245,12 +248,21 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("chunk_indices", None)
     chunk_size = kwargs.pop("chunk_size", None)
-    if chunk_size not in (None, 64):
-        raise ValueError(f"chunk_size: expected 64 (or None), got {chunk_size}")
+    if chunk_size not in (None, 16, 32, 64):  # the result does not depend on it; kernels use their own
+        raise ValueError(f"chunk_size: expected 16, 32 or 64 (or None), got {chunk_size}")
     if kwargs.pop("head_first", False):
         raise ValueError("head_first: expected False; pass tensors as [B, T, H, D]")
+    if kwargs.pop("cp_context", None) is not None:
+        raise ValueError("cp_context: context parallelism across devices is not supported; expected None")
+    if "transpose_state_layout" in kwargs:  # FLA's former name of state_v_first
+        if state_v_first:
+            raise ValueError("transpose_state_layout: pass state_v_first only (transpose_state_layout is its old name)")
+        warnings.warn("transpose_state_layout is deprecated; use state_v_first", DeprecationWarning, stacklevel=2)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
     if kwargs:
         raise TypeError(f"chunk_gated_delta_rule: unexpected keyword arguments {sorted(kwargs)}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: expected use_beta_sigmoid_in_kernel=True (beta becomes 2 * sigmoid(beta))")
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError("A_log: expected a [HV] tensor when use_gate_in_kernel=True, got None")

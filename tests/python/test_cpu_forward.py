@@ -148,9 +148,21 @@ def test_fla_keyword_arguments_are_accepted():
     x = make_inputs(1, 20, 1, 1, 8, 8, torch.float32, n_states=2)
     cu = torch.tensor([0, 5, 20], dtype=torch.int32)
     o, _ = qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
-                                      cu_seqlens_cpu=cu, chunk_indices=None, chunk_size=64)
+                                      cu_seqlens_cpu=cu, chunk_indices=None, chunk_size=32)
     ro, _ = reference(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
     assert rel_err(o, ro) < 2e-5
+
+
+def test_transpose_state_layout_is_the_old_name_of_state_v_first():
+    x = make_inputs(1, 20, 1, 1, 8, 4, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    h0 = x["initial_state"].transpose(-1, -2).contiguous()
+    o, ht = qla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="state_v_first"):
+        o2, ht2 = qla.chunk_gated_delta_rule(*args, initial_state=h0, output_final_state=True,
+                                             transpose_state_layout=True)
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(ht, ht2, rtol=0, atol=0)
 
 
 def test_low_level_forward_matches_high_level():

@@ -72,8 +72,14 @@ def test_unknown_keyword_and_gate_arguments():
         _call(use_gate_in_kernel=True)
     with pytest.raises(ValueError, match=r"dt_bias: expected a tensor with HV=4 elements"):
         _call(use_gate_in_kernel=True, A_log=torch.zeros(4), dt_bias=torch.zeros(3))
-    with pytest.raises(ValueError, match=r"chunk_size: expected 64"):
-        _call(chunk_size=32)
+    with pytest.raises(ValueError, match=r"chunk_size: expected 16, 32 or 64"):
+        _call(chunk_size=48)
+    with pytest.raises(ValueError, match=r"allow_neg_eigval: expected use_beta_sigmoid_in_kernel=True"):
+        _call(allow_neg_eigval=True)
+    with pytest.raises(ValueError, match=r"cp_context: .* not supported"):
+        _call(cp_context=object())
+    with pytest.raises(ValueError, match=r"transpose_state_layout: pass state_v_first only"):
+        _call(transpose_state_layout=True, state_v_first=True)
 
 
 def test_backward_argument_errors():
