@@ -18,6 +18,7 @@ bool compiled();
 // Checks the backend-specific limits (K = V = 128, 16-bit q/k/v, the current device is 9.x).
 Status check_supported(const GdnForwardParams& p);
 Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
+// Runs check_supported first, then the kernels on p.stream.
 Status forward(const GdnForwardParams& p);
 }  // namespace sm90
 

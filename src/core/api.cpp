@@ -33,9 +33,7 @@ Status gdn_forward(const GdnForwardParams& p) {
   Status s = validate_forward(p);
   if (!s.ok()) return s;
   if (p.device == Device::kCpu) return cpu::forward(p);
-  s = sm90::check_supported(p);
-  if (!s.ok()) return s;
-  return sm90::forward(p);
+  return sm90::forward(p);  // runs sm90::check_supported itself
 }
 
 Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
