@@ -4,10 +4,16 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
-# --- Debian packages (compiler, CMake, ninja, GoogleTest) ---
+# --- Debian packages (compiler, CMake, ninja, GoogleTest), pinned to Debian 12 (bookworm) ---
+declare -A apt_pins=(
+  [g++]=4:12.2.0-3
+  [cmake]=3.25.1-1
+  [ninja-build]=1.11.1-2~deb12u1
+  [libgtest-dev]=1.12.1-0.2
+)
 need_apt=()
-for pkg in g++ cmake ninja-build libgtest-dev; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+for pkg in "${!apt_pins[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg=${apt_pins[$pkg]}")
 done
 if ((${#need_apt[@]})); then
   export DEBIAN_FRONTEND=noninteractive
