@@ -32,3 +32,22 @@ def test_torch_compile_inductor_no_graph_break():
     o = f(x["q"], x["k"], x["v"], x["g"], x["beta"])
     ro, _ = reference(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert rel_err(o, 2 * ro) < 2e-5
+
+
+def test_opcheck_custom_ops():
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
+    from qla import _ops
+
+    x = make_inputs(1, 20, 1, 2, 8, 8, torch.float64)
+    args = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    h0 = x["initial_state"].clone().requires_grad_()
+    cu = torch.tensor([0, 7, 20], dtype=torch.int64)
+    h0_2 = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0, None, True, False))
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0_2, cu, True, True))
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, None, None, False, False))
+    do = torch.randn(1, 20, 2, 8, dtype=torch.float64)
+    dht = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    detached = [a.detach() for a in args]
+    torch.library.opcheck(_ops.gdn_bwd, (*detached, 0.5, h0.detach(), None, do, dht, False))
+    torch.library.opcheck(_ops.gdn_bwd, (*detached, 0.5, None, None, do, None, False))
