@@ -25,16 +25,15 @@ _NONE = (0, 2, 0, 0, 0)
 
 
 def _desc(t: Optional[torch.Tensor]) -> tuple:
-    """(data_ptr, dtype code, leading strides...) as the binding expects."""
+    """(data_ptr, dtype code, three leading strides) as the binding expects: 4-D tensors give
+    the strides of their first three dimensions ((b, t, h) or (n, hv, row) for a state),
+    3-D [B, T, HV] tensors those of b and t (heads are the contiguous last dimension)."""
     if t is None:
         return _NONE
     st = t.stride()
-    lead = st[:-1]
-    if len(lead) < 3:  # right-align: 3-D [B,T,HV] tensors use stride0/1 and a unit head stride
-        lead = tuple(lead) + (0,) * (3 - len(lead))
-    elif len(lead) > 3:  # 4-D state [N,HV,R,C]: strides of N, HV, row
-        lead = lead[-3:]
-    return (t.data_ptr(), _DTYPE_CODE[t.dtype], lead[0], lead[1], lead[2])
+    if len(st) == 4:
+        return (t.data_ptr(), _DTYPE_CODE[t.dtype], st[0], st[1], st[2])
+    return (t.data_ptr(), _DTYPE_CODE[t.dtype], st[0], st[1], 0)
 
 
 def _device_args(t: torch.Tensor):
@@ -61,33 +60,32 @@ _WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the co
 
 
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first):
-    """The forward itself. Called through the custom op (autograd, torch.compile) or directly
-    (eager calls that need no graph: it skips the dispatcher, which costs more than the launch)."""
+    """The forward itself; returns (o, final state or None). Called through the custom op
+    (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
+    costs more than the launch)."""
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    n = _num_seqs(q, cu_seqlens)
-    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    _, _, HV, V = v.shape
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    dev = q.device
+    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=dev)
+    ht = None
     if output_final_state:
-        ht = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
-    else:
-        ht = q.new_empty((0,), dtype=torch.float32)
-    device, stream = _device_args(q)
+        ht = torch.empty((n, HV, V, K) if state_v_first else (n, HV, K, V), dtype=state_dtype(q), device=dev)
     shape = (B, T, H, HV, K, V)
-    dq, dk, dv, dg, dbeta = _desc(q), _desc(k), _desc(v), _desc(g), _desc(beta)
-    dh0, dcu, do_, dht = _desc(initial_state), _cu_desc(cu_seqlens), _desc(o), _desc(ht if output_final_state else None)
+    descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
+             _desc(o), _desc(ht))
     layout = 1 if state_v_first else 0
-    ws_ptr, ws_bytes, ws = 0, 0, None
-    if device == 1:
-        key = (shape, n, q.dtype, q.device.index)
-        ws_bytes = _WORKSPACE_BYTES.get(key)
-        if ws_bytes is None:
-            ws_bytes = _C.forward_workspace_size(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout,
-                                                 device)
-            _WORKSPACE_BYTES[key] = ws_bytes
-        if ws_bytes:
-            ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=q.device)
-            ws_ptr = ws.data_ptr()
-    _C.forward(shape, dq, dk, dv, dg, dbeta, dh0, dcu, n, do_, dht, scale, layout, device, stream, ws_ptr, ws_bytes, 0)
+    if dev.type != "cuda":
+        _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
+        return o, ht
+    key = (shape, n, q.dtype, dev.index)
+    ws_bytes = _WORKSPACE_BYTES.get(key)
+    if ws_bytes is None:
+        ws_bytes = _C.forward_workspace_size(shape, *descs, scale, layout, 1)
+        _WORKSPACE_BYTES[key] = ws_bytes
+    ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
+    _C.forward(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
+               0 if ws is None else ws.data_ptr(), ws_bytes, 0)
     return o, ht
 
 
@@ -104,7 +102,8 @@ def gdn_fwd(
     output_final_state: bool,
     state_v_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    o, ht = forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))  # an op returns tensors
 
 
 def needs_dispatch(*tensors) -> bool:
