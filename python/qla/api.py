@@ -50,6 +50,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu
     if v.shape[0] != B or v.shape[1] != T:
         raise ValueError(f"v: expected batch and length [{B}, {T}, ...] like q, got {_fmt_shape(v)}")
     HV = v.shape[2]
+    if H == 0 or HV == 0:
+        raise ValueError(f"q, v: expected at least one q/k head and one value head, got H={H}, HV={HV}")
     if HV % H != 0:
         raise ValueError(f"v: expected the number of value heads ({HV}) to be a multiple of the q/k heads ({H})")
     for name, t in (("g", g), ("beta", beta)):
