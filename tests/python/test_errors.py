@@ -105,3 +105,38 @@ def test_errors_do_not_modify_inputs():
         qla.chunk_gated_delta_rule(**kw, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
     for n, t in kw.items():
         assert torch.equal(t, before[n])
+
+
+def test_random_malformed_inputs_only_raise_value_or_type_errors():
+    """Shapes, ranks, dtypes and cu_seqlens perturbed at random: every call either succeeds or
+    raises ValueError/TypeError (never another exception, a crash or a hang)."""
+    import random
+
+    rnd = random.Random(0)
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32]
+
+    def tensor(*shape):
+        shape = [max(0, s + rnd.choice([0, 0, 0, 0, 1, -1])) for s in shape]
+        if rnd.random() < 0.05:
+            shape = shape[:-1]
+        return torch.randn(*shape).to(rnd.choice(dtypes) if rnd.random() < 0.1 else torch.float32)
+
+    for _ in range(400):
+        B, T, H, HV = rnd.choice([0, 1, 2]), rnd.choice([0, 1, 5]), rnd.choice([0, 1, 2]), rnd.choice([0, 1, 2, 4])
+        K, V = rnd.choice([0, 1, 4]), rnd.choice([0, 1, 4])
+        q, k, v = tensor(B, T, H, K), tensor(B, T, H, K), tensor(B, T, HV, V)
+        g, beta = -tensor(B, T, HV).abs(), tensor(B, T, HV)
+        h0 = tensor(B, HV, K, V) if rnd.random() < 0.5 else None
+        cu = None
+        if rnd.random() < 0.3:
+            vals = sorted(rnd.sample(range(T + 2), k=min(T + 2, rnd.choice([1, 2, 3]))))
+            cu = torch.tensor(vals, dtype=rnd.choice([torch.int32, torch.int64, torch.float32]))
+        try:
+            o, _ = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
+                                              output_final_state=rnd.random() < 0.5, state_v_first=rnd.random() < 0.2)
+            assert o.shape == (q.shape[0], q.shape[1], v.shape[2], v.shape[3])
+            if o.numel() and rnd.random() < 0.3:
+                qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, torch.randn_like(o), initial_state=h0,
+                                               cu_seqlens=cu)
+        except (ValueError, TypeError):
+            pass
