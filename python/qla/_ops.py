@@ -65,12 +65,12 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     costs more than the launch)."""
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
-    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    n = _num_seqs(q, cu_seqlens)
     dev = q.device
     o = torch.empty((B, T, HV, V), dtype=q.dtype, device=dev)
     ht = None
     if output_final_state:
-        ht = torch.empty((n, HV, V, K) if state_v_first else (n, HV, K, V), dtype=state_dtype(q), device=dev)
+        ht = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=dev)
     shape = (B, T, H, HV, K, V)
     descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
              _desc(o), _desc(ht))
