@@ -51,7 +51,7 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _state_shape(q, v, n, state_v_first):
+def state_shape(q, v, n, state_v_first):
     K, V = q.shape[-1], v.shape[-1]
     return (n, v.shape[2], V, K) if state_v_first else (n, v.shape[2], K, V)
 
@@ -70,7 +70,7 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     o = torch.empty((B, T, HV, V), dtype=q.dtype, device=dev)
     ht = None
     if output_final_state:
-        ht = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=dev)
+        ht = torch.empty(state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=dev)
     shape = (B, T, H, HV, K, V)
     descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
              _desc(o), _desc(ht))
@@ -127,7 +127,7 @@ def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fin
     B, T = q.shape[0], q.shape[1]
     o = q.new_empty((B, T, v.shape[2], v.shape[3]))
     if output_final_state:
-        ht = q.new_empty(_state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first), dtype=state_dtype(q))
+        ht = q.new_empty(state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first), dtype=state_dtype(q))
     else:
         ht = q.new_empty((0,), dtype=torch.float32)
     return o, ht
@@ -155,7 +155,7 @@ def gdn_bwd(
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
-    dh0 = torch.empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
+    dh0 = torch.empty(state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
     device, stream = _device_args(q)
     _C.backward(
         (B, T, H, HV, K, V),
@@ -175,7 +175,7 @@ def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, s
         torch.empty_like(v, memory_format=torch.contiguous_format),
         g.new_empty(g.shape),
         beta.new_empty(beta.shape),
-        q.new_empty(_state_shape(q, v, n, state_v_first), dtype=state_dtype(q)),
+        q.new_empty(state_shape(q, v, n, state_v_first), dtype=state_dtype(q)),
     )
 
 

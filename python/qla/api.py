@@ -92,7 +92,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
         V = v.shape[3]
-        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        want = _ops.state_shape(q, v, N, state_v_first)
         if tuple(initial_state.shape) != want:
             layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
             raise ValueError(
@@ -122,8 +122,7 @@ def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):
         return o, None
     if initial_state is not None:
         return o, initial_state.clone()
-    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    return o, q.new_zeros(shape, dtype=_ops.state_dtype(q))
+    return o, q.new_zeros(_ops.state_shape(q, v, N, state_v_first), dtype=_ops.state_dtype(q))
 
 
 def chunk_gated_delta_rule_fwd(
@@ -183,8 +182,8 @@ def chunk_gated_delta_rule_bwd(
         raise ValueError(f"do: expected shape {_fmt_shape(v)} (the shape of o), got {_fmt_shape(do)}")
     if do.device != q.device:
         raise ValueError(f"do: expected a tensor on {q.device}, got one on {do.device}")
-    K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    K = q.shape[-1]
+    state_shape = _ops.state_shape(q, v, N, state_v_first)
     if dht is not None:
         _check_tensor("dht", dht, 4, (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,))
         if tuple(dht.shape) != state_shape:
