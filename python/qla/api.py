@@ -91,7 +91,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
-        V = v.shape[3]
         want = _ops.state_shape(q, v, N, state_v_first)
         if tuple(initial_state.shape) != want:
             layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
