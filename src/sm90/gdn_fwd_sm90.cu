@@ -12,10 +12,13 @@
 // See src/sm90/README.md for the design and budgets.
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -214,11 +217,12 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. Chunk-parallel prep. One CTA (one warpgroup) per (chunk, value head).
+// Prep parameters and shared-memory plan.
 // ---------------------------------------------------------------------------------------------
 struct PrepParams {
-  const void *q, *k, *v, *g, *beta;
-  int64_t sq[3], sk[3], sv[3], sg[2], sb[2];
+  CUtensorMap tmq, tmk, tmv;  // q, k, v as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
+  const void *g, *beta;
+  int64_t sg[2], sb[2];
   int g_dt, b_dt;
   SeqDesc sd;
   int N, H, HV;
@@ -227,29 +231,94 @@ struct PrepParams {
   float scale;
 };
 
-constexpr int kLd = 68;  // fp32 row pitch of L (16-byte aligned rows)
-constexpr size_t kPrepSmem = 1024 + 3 * kImgTokD * 2 + 4 * kImgTokTok * 2 + kC * kLd * 4 + 2 * kC * 4;
+// Shared memory of gdn_prep (byte offsets from the 1 KiB aligned base). Buffers are reused once
+// their contents are dead; the phases are separated by CTA barriers.
+//   Q tile (TMA)   -> A hi|lo staging (bulk-stored) -> Tu = Tm diag(beta) hi|lo images
+//   K tile (TMA)   -> w_hi staging
+//   V tile (TMA)   \_ u fp32 staging (32 KiB, after the last wgmma)
+//   L fp32 [64][kLd] -> Tw = Tm diag(beta e^gamma) hi|lo images
+//   Tm fp32 [64][kLd], per-warp 16 x 16 product scratch, gamma, beta, the TMA mbarrier.
+constexpr int kLd = 68;  // fp32 row pitch of L and Tm (16-byte rows; 4-bank stagger between rows)
+constexpr int kPd = 20;  // fp32 row pitch of the per-warp scratch
+constexpr uint32_t kPrepQ = 0, kPrepK = 16384, kPrepV = 32768, kPrepL = 49152;
+constexpr uint32_t kPrepT = kPrepL + kC * kLd * 4;
+constexpr uint32_t kPrepP = kPrepT + kC * kLd * 4;
+constexpr uint32_t kPrepMisc = kPrepP + 4 * 16 * kPd * 4;
+constexpr size_t kPrepSmem = 1024 + kPrepMisc + 3 * kC * 4 + 16;
+static_assert(kPrepV + 32768 <= kPrepT, "u staging overlaps Tm");
+static_assert(kPrepL + 16384 <= kPrepT, "Tw images overlap Tm");
 
 template <class T>
-__global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+}
+// hi + lo split of a pair, each packed as two 16-bit values.
+template <class T>
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<T>(a, b);
+  const float2 h = unpack2<T>(hi);
+  lo = pack2<T>(a - h.x, b - h.y);
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+// Bulk copy shared -> global (async proxy), completion tracked by bulk groups.
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until the issued bulk stores have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x on the special-function unit (relative error ~2^-22; flushes results below 2^-126 to 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Chunk-parallel prep. One CTA (one warpgroup) per (chunk, value head).
+//    TMA loads of Q, K, V -> wgmma K K^T, Q K^T -> L (fp32) and A (hi/lo image, bulk-stored)
+//    -> Tm = (I + L)^-1 blockwise on all four warps -> Tu, Tw images -> wgmma w = Tw K,
+//    u = Tu V -> w_hi image and u staged in shared memory and bulk-stored.
+// ---------------------------------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepParams p) {
   using L = Lay<T>;
   extern __shared__ uint8_t smem_raw[];
-  // 1 KiB aligned (128-byte swizzle atoms), as an offset from smem_raw so that the compiler keeps
-  // the shared state space (LDS/STS, 32-bit addresses) and knows the alignment (vector accesses).
   uint8_t* sm = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
-  T* sQ = reinterpret_cast<T*>(sm);
-  T* sK = sQ + kImgTokD;
-  T* sV = sK + kImgTokD;
-  T* sAuh = sV + kImgTokD;       // Tm diag(beta), hi/lo          (i, j), K-major
-  T* sAul = sAuh + kImgTokTok;
-  T* sAwh = sAul + kImgTokTok;   // Tm diag(beta e^gamma), hi/lo
-  T* sAwl = sAwh + kImgTokTok;
-  float* sL = reinterpret_cast<float*>(sAwl + kImgTokTok);
-  float* sGam = sL + kC * kLd;
+  T* sQ = reinterpret_cast<T*>(sm + kPrepQ);
+  T* sK = reinterpret_cast<T*>(sm + kPrepK);
+  T* sV = reinterpret_cast<T*>(sm + kPrepV);
+  float* sL = reinterpret_cast<float*>(sm + kPrepL);
+  float* sT = reinterpret_cast<float*>(sm + kPrepT);
+  float* sGam = reinterpret_cast<float*>(sm + kPrepMisc);
   float* sBeta = sGam + kC;
+  float* sBw = sBeta + kC;  // beta e^gamma (column scale of Tw)
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sBw + kC);
 
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int ci = blockIdx.x, hv = blockIdx.y;
   const int total = p.chunk_off[p.N];
   if (ci >= total) return;  // grid is an upper bound on the chunk count
@@ -267,6 +336,22 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   const int len = static_cast<int>(min<int64_t>(kC, slen - cstart));
   const int hq = hv / (p.HV / p.H);
 
+  // Q, K, V tiles by TMA (two 64-column boxes each = the two K-blocks of the GMMA tile). Rows
+  // past the sequence end are the next sequence's tokens (zeros past the tensor end): finite,
+  // and their beta is 0 below, so they reach neither L, Tm, w nor u; their A rows are never used.
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_expect_tx(bar, 3 * kQKBytes);
+    const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      tma_load_4d(sm + kPrepQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, bar);
+      tma_load_4d(sm + kPrepK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, bar);
+      tma_load_4d(sm + kPrepV + h * kQKBytes / 2, &p.tmv, h * 64, hv, tok, bb, bar);
+    }
+  }
+
   // gamma = inclusive cumsum of g over the valid tokens (padding: g = 0, beta = 0).
   if (tid < kC) {
     float gv = 0.f, bv = 0.f;
@@ -275,7 +360,6 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
       gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
       bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
     }
-    const int lane = tid & 31;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const float y = __shfl_up_sync(0xffffffffu, gv, o);
@@ -284,56 +368,25 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
     sGam[tid] = gv;
     sBeta[tid] = bv;
   }
-  __syncthreads();
+  __syncthreads();  // also publishes the mbarrier initialisation
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
   __syncthreads();
   const float gam_last = sGam[len - 1];
 
   uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kRegionBytes;
-  T* reg = reinterpret_cast<T*>(regb);
   float* regf = reinterpret_cast<float*>(regb + kF32Off);
-  if (tid < kC) {  // row gates of the recurrence, fp32
+  if (tid < kC) {  // row gates of the recurrence, fp32 (coalesced)
+    sBw[tid] = sBeta[tid] * expf(sGam[tid]);
     regf[kFGq + tid] = p.scale * expf(sGam[tid]);
     regf[kFGk + tid] = tid < len ? expf(gam_last - sGam[tid]) : 0.f;
+  } else if (tid == kC) {
+    regf[kFEG] = expf(gam_last);
   }
-  if (tid == 0) regf[kFEG] = expf(gam_last);
 
   Tensor tQ = make_tensor(make_smem_ptr(sQ), typename L::TokD_K{});
   Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
   Tensor tVmn = make_tensor(make_smem_ptr(sV), typename L::DTok_MN{});  // (v, tok)
-
-  // Q, K, V -> smem (16-byte vectors; the swizzle keeps 8-element groups contiguous).
-  // Padding rows are zero.
-  const T* qb = static_cast<const T*>(p.q) + b * p.sq[0] + hq * p.sq[2];
-  const T* kb = static_cast<const T*>(p.k) + b * p.sk[0] + hq * p.sk[2];
-  const T* vb = static_cast<const T*>(p.v) + b * p.sv[0] + hv * p.sv[2];
-  // All 24 loads are issued before any store: the workspace stores could alias q/k/v as far as
-  // the compiler knows, so interleaving them would serialise one memory latency per row group.
-  constexpr int kLdIt = (kC * kDK / 8) / 128;
-  uint4 qv[kLdIt], kv[kLdIt], vv[kLdIt];
-#pragma unroll
-  for (int it = 0; it < kLdIt; ++it) {
-    const int idx = tid + it * 128;
-    const int row = idx >> 4, c8 = (idx & 15) * 8;
-    qv[it] = kv[it] = vv[it] = make_uint4(0, 0, 0, 0);
-    if (row < len) {
-      const int64_t t = t0 + row;
-      qv[it] = __ldg(reinterpret_cast<const uint4*>(qb + t * p.sq[1] + c8));
-      kv[it] = __ldg(reinterpret_cast<const uint4*>(kb + t * p.sk[1] + c8));
-      vv[it] = __ldg(reinterpret_cast<const uint4*>(vb + t * p.sv[1] + c8));
-    }
-  }
-#pragma unroll
-  for (int it = 0; it < kLdIt; ++it) {
-    const int idx = tid + it * 128;
-    const int row = idx >> 4, c8 = (idx & 15) * 8;
-    const int off = static_cast<int>(&tQ(row, c8) - sQ);
-    *reinterpret_cast<uint4*>(sQ + off) = qv[it];
-    *reinterpret_cast<uint4*>(sK + off) = kv[it];
-    *reinterpret_cast<uint4*>(&tVmn(c8, row)) = vv[it];
-  }
-  fence_async_smem();
-  __syncthreads();
+  mbar_wait(bar, 0);
 
   // K K^T and Q K^T (64 x 64 x 128).
   auto mma1 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
@@ -362,37 +415,49 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   warpgroup_wait<0>();
   warpgroup_fence_operand(accKK);
   warpgroup_fence_operand(accQK);
+  __syncthreads();  // Q is dead: its bytes take the A image
 
-  // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), and the causal gated score image
-  // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j). Gates as differences (<= 0): no overflow.
-  Tensor tAimg = make_tensor(make_smem_ptr(sAuh), typename L::TokTok_K{});  // offsets only
-  Tensor cc1 = thr1.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-  // Elements i, i+1 are columns c, c+1 of one row (adjacent in the K-major image): 4-byte stores.
-  CUTE_UNROLL
-  for (int i = 0; i < size(accKK); i += 2) {
-    const int r = get<0>(cc1(i)), c = get<1>(cc1(i));
-    __align__(4) T ah[2], al[2];
+  // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j) to fp32 smem, and the causal gated score
+  // image A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j) as hi/lo into Q's bytes.
+  // Gates as differences (<= 0): no overflow. Elements i, i+1 are columns c, c+1 of one row.
+  {
+    T* sAh = sQ;
+    Tensor tAimg = make_tensor(make_smem_ptr(sAh), typename L::TokTok_K{});
+    Tensor cc1 = thr1.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const float e = r >= c + h ? expf(sGam[r] - sGam[c + h]) : 0.f;
-      sL[r * kLd + c + h] = r > c + h ? sBeta[r] * e * accKK(i + h) : 0.f;
-      split2(p.scale * e * accQK(i + h), ah[h], al[h]);
+    for (int i = 0; i < size(accKK); i += 2) {
+      const int r = get<0>(cc1(i)), c = get<1>(cc1(i));
+      const float gr = sGam[r], br = sBeta[r];
+      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+      // Branch-free: the exponent is clamped to <= 0 and the mask applied after.
+      const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
+      const float e0 = r >= c ? x0 : 0.f, e1 = r >= c + 1 ? x1 : 0.f;
+      *reinterpret_cast<float2*>(sL + r * kLd + c) =
+          make_float2(r > c ? br * e0 * accKK(i) : 0.f, r > c + 1 ? br * e1 * accKK(i + 1) : 0.f);
+      uint32_t ah, al;
+      split_pair<T>(p.scale * e0 * accQK(i), p.scale * e1 * accQK(i + 1), ah, al);
+      const int off = static_cast<int>(&tAimg(r, c) - sAh);
+      *reinterpret_cast<uint32_t*>(sAh + off) = ah;
+      *reinterpret_cast<uint32_t*>(sAh + kImgTokTok + off) = al;
     }
-    const int off = static_cast<int>(&tAimg(r, c) - sAuh);
-    *reinterpret_cast<uint32_t*>(reg + kOffAh + off) = *reinterpret_cast<uint32_t*>(ah);
-    *reinterpret_cast<uint32_t*>(reg + kOffAl + off) = *reinterpret_cast<uint32_t*>(al);
   }
+  fence_async_smem();
   __syncthreads();
+  if (tid == 0) {
+    bulk_s2g(regb + kOffAh * sizeof(T), sQ, 2 * kImgTokTok * sizeof(T));
+    bulk_commit();
+  }
 
-  // Tm = (I + L)^-1 by forward substitution, one column per thread (L reads are broadcasts).
-  if (tid < kC) {
-    const int c = tid;
-    float x[kC];
-#pragma unroll
-    for (int i = 0; i < kC; ++i) {
+  // Tm = (I + L)^-1 in 16 x 16 blocks. Phase 1: warp w inverts its diagonal block
+  // D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts).
+  {
+    const int w = warp, c = lane & 15;
+    float x[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) {
       float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      const uint32_t Lr = smem_u32(sL + i * kLd);
-#pragma unroll
+      const uint32_t Lr = smem_u32(sL + (16 * w + i) * kLd + 16 * w);
+      CUTE_UNROLL
       for (int j4 = 0; j4 < i / 4; ++j4) {
         const float4 l = lds128(Lr + 16 * j4);
         a0 -= l.x * x[4 * j4 + 0];
@@ -400,30 +465,115 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
         a2 -= l.z * x[4 * j4 + 2];
         a3 -= l.w * x[4 * j4 + 3];
       }
-#pragma unroll
-      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[i * kLd + j] * x[j];
+      CUTE_UNROLL
+      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[(16 * w + i) * kLd + 16 * w + j] * x[j];
       x[i] = (a0 + a1) + (a2 + a3);
     }
-    Tensor tAu = make_tensor(make_smem_ptr(sAuh), typename L::TokTok_K{});
-    const float bu = sBeta[c];
-    const float bw = bu * expf(sGam[c]);
-#pragma unroll
-    for (int i = 0; i < kC; ++i) {
-      const int off = static_cast<int>(&tAu(i, c) - sAuh);
-      split2(x[i] * bu, sAuh[off], sAul[off]);
-      split2(x[i] * bw, sAwh[off], sAwl[off]);
+    if (lane < 16) {
+      CUTE_UNROLL
+      for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
+    }
+  }
+  __syncthreads();
+  // Phase 2: warp w walks down its block column: Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw.
+  // Lane: row r of the block, columns hc .. hc+7. Only __syncwarp inside (the column is the
+  // warp's own; the diagonal inverses come from phase 1).
+  {
+    const int w = warp, r = lane >> 1, hc = (lane & 1) * 8;
+    float* sP = reinterpret_cast<float*>(sm + kPrepP) + w * 16 * kPd;
+    for (int a = w + 1; a < 4; ++a) {
+      float acc[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      for (int m = w; m < a; ++m) {
+        const uint32_t Lr = smem_u32(sL + (16 * a + r) * kLd + 16 * m);
+        const uint32_t Tc = smem_u32(sT + (16 * m) * kLd + 16 * w + hc);
+        CUTE_UNROLL
+        for (int k4 = 0; k4 < 4; ++k4) {
+          const float4 l = lds128(Lr + 16 * k4);
+          const float lk[4] = {l.x, l.y, l.z, l.w};
+          CUTE_UNROLL
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t row = Tc + (4 * k4 + kk) * kLd * 4;
+            const float4 t0 = lds128(row), t1 = lds128(row + 16);
+            acc[0] += lk[kk] * t0.x; acc[1] += lk[kk] * t0.y; acc[2] += lk[kk] * t0.z; acc[3] += lk[kk] * t0.w;
+            acc[4] += lk[kk] * t1.x; acc[5] += lk[kk] * t1.y; acc[6] += lk[kk] * t1.z; acc[7] += lk[kk] * t1.w;
+          }
+        }
+      }
+      const uint32_t Pw = smem_u32(sP + r * kPd + hc);
+      sts128f(Pw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Pw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      const uint32_t Dr = smem_u32(sT + (16 * a + r) * kLd + 16 * a);
+      const uint32_t Pc = smem_u32(sP + hc);
+      CUTE_UNROLL
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const float4 d = lds128(Dr + 16 * k4);
+        const float dk[4] = {d.x, d.y, d.z, d.w};
+        CUTE_UNROLL
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t row = Pc + (4 * k4 + kk) * kPd * 4;
+          const float4 t0 = lds128(row), t1 = lds128(row + 16);
+          acc[0] -= dk[kk] * t0.x; acc[1] -= dk[kk] * t0.y; acc[2] -= dk[kk] * t0.z; acc[3] -= dk[kk] * t0.w;
+          acc[4] -= dk[kk] * t1.x; acc[5] -= dk[kk] * t1.y; acc[6] -= dk[kk] * t1.z; acc[7] -= dk[kk] * t1.w;
+        }
+      }
+      const uint32_t Tw = smem_u32(sT + (16 * a + r) * kLd + 16 * w + hc);
+      sts128f(Tw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Tw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
+    }
+  }
+  if (tid == 0) bulk_wait_read();  // the A image has left Q's bytes: they take the Tu images
+  __syncthreads();
+
+  // Images of Tu = Tm diag(beta) (into Q's bytes) and Tw = Tm diag(beta e^gamma) (into L's
+  // bytes), hi/lo, K-major (i, j). Each thread: 4 runs of 8 columns; blocks above the diagonal
+  // are zero (Tm is lower triangular; the diagonal blocks hold exact zeros above the diagonal).
+  T* sTuh = sQ;
+  T* sTwh = reinterpret_cast<T*>(sm + kPrepL);
+  {
+    Tensor tImg = make_tensor(make_smem_ptr(sTuh), typename L::TokTok_K{});  // offsets only
+    CUTE_UNROLL
+    for (int it = 0; it < 4; ++it) {
+      const int q = tid + 128 * it, i = q >> 3, j8 = (q & 7) * 8;
+      float t[8];
+      if ((i >> 4) >= (j8 >> 4)) {
+        const float4 t0 = lds128(smem_u32(sT + i * kLd + j8)), t1 = lds128(smem_u32(sT + i * kLd + j8 + 4));
+        t[0] = t0.x; t[1] = t0.y; t[2] = t0.z; t[3] = t0.w; t[4] = t1.x; t[5] = t1.y; t[6] = t1.z; t[7] = t1.w;
+      } else {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) t[e] = 0.f;
+      }
+      uint4 uh, ul, wh, wl;
+      uint32_t* puh = &uh.x; uint32_t* pul = &ul.x; uint32_t* pwh = &wh.x; uint32_t* pwl = &wl.x;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; e += 2) {
+        const float b0 = sBeta[j8 + e], b1 = sBeta[j8 + e + 1];
+        const float w0 = sBw[j8 + e], w1 = sBw[j8 + e + 1];
+        split_pair<T>(t[e] * b0, t[e + 1] * b1, puh[e / 2], pul[e / 2]);
+        split_pair<T>(t[e] * w0, t[e + 1] * w1, pwh[e / 2], pwl[e / 2]);
+      }
+      const int off = static_cast<int>(&tImg(i, j8) - sTuh);
+      sts128(smem_u32(sTuh + off), uh);
+      sts128(smem_u32(sTuh + kImgTokTok + off), ul);
+      sts128(smem_u32(sTwh + off), wh);
+      sts128(smem_u32(sTwh + kImgTokTok + off), wl);
     }
   }
   fence_async_smem();
   __syncthreads();
 
-  // w = Tm diag(beta e^gamma) K, u = Tm diag(beta) V (64 x 128 x 64), Tm as hi + lo.
+  // w = Tw K, u = Tu V (64 x 128 x 64), Tm as hi + lo.
   auto mma2 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
   auto thr2 = mma2.get_thread_slice(tid);
-  Tensor rAwh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sAwh), typename L::TokTok_K{}));
-  Tensor rAwl = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sAwl), typename L::TokTok_K{}));
-  Tensor rAuh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sAuh), typename L::TokTok_K{}));
-  Tensor rAul = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sAul), typename L::TokTok_K{}));
+  Tensor rAwh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTwh), typename L::TokTok_K{}));
+  Tensor rAwl = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTwh + kImgTokTok), typename L::TokTok_K{}));
+  Tensor rAuh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTuh), typename L::TokTok_K{}));
+  Tensor rAul = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTuh + kImgTokTok), typename L::TokTok_K{}));
   Tensor rKb2 = thr2.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
   Tensor rVb2 = thr2.partition_fragment_B(tVmn);
   Tensor accW = partition_fragment_C(mma2, Shape<_64, _128>{});
@@ -451,19 +601,28 @@ __global__ void __launch_bounds__(128) gdn_prep(PrepParams p) {
   warpgroup_wait<0>();
   warpgroup_fence_operand(accW);
   warpgroup_fence_operand(accU);
+  __syncthreads();  // K, V and the images are dead: w and u are staged in their bytes
 
-  // w as a 16-bit (tok, d) K-major image; u fp32 [V/32][tok][32]. Padding rows -> 0.
-  // Accumulator elements 2i, 2i+1 are columns c, c+1 of one row: stored as one pair.
+  // w_hi as a 16-bit (tok, d) K-major image (K's bytes); u fp32 [V/32][tok][32] (V's and L's
+  // bytes). Padding rows -> 0. Accumulator elements 2i, 2i+1 are columns c, c+1 of one row.
+  float* sU = reinterpret_cast<float*>(sm + kPrepV);
   Tensor cc2 = thr2.partition_C(make_identity_tensor(Shape<_64, _128>{}));
   CUTE_UNROLL
   for (int i = 0; i < size(accW); i += 2) {
     const int r = get<0>(cc2(i)), c = get<1>(cc2(i));
     const bool ok = r < len;
-    __align__(4) T wh[2] = {T(ok ? accW(i) : 0.f), T(ok ? accW(i + 1) : 0.f)};
-    const int off = static_cast<int>(&tQ(r, c) - sQ);
-    *reinterpret_cast<uint32_t*>(reg + kOffWh + off) = *reinterpret_cast<uint32_t*>(wh);
-    *reinterpret_cast<float2*>(regf + kFU + (c / kUT) * (kC * kUT) + r * kUT + c % kUT) =
+    const int off = static_cast<int>(&tK(r, c) - sK);
+    *reinterpret_cast<uint32_t*>(sK + off) = pack2<T>(ok ? accW(i) : 0.f, ok ? accW(i + 1) : 0.f);
+    *reinterpret_cast<float2*>(sU + (c / kUT) * (kC * kUT) + r * kUT + c % kUT) =
         make_float2(ok ? accU(i) : 0.f, ok ? accU(i + 1) : 0.f);
+  }
+  fence_async_smem();
+  __syncthreads();
+  if (tid == 0) {
+    bulk_s2g(regb + kOffWh * sizeof(T), sK, kImgTokD * sizeof(T));
+    bulk_s2g(regb + kF32Off + kFU * 4, sU, kC * kDV * 4);
+    bulk_commit();
+    bulk_wait_read();  // shared memory must outlive the reads of the bulk stores
   }
 }
 
@@ -814,10 +973,10 @@ const char* dt_name(DType d) {
 
 bool aligned(const void* ptr, size_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
 
-// Tensor map of q or k as (d, head, token, batch) with a (64, 1, 64, 1) box and 128-byte
+// Tensor map of q, k or v as (d, head, token, batch) with a (64, 1, 64, 1) box and 128-byte
 // swizzle: one box is one K-block (64 tokens x 64 d) of the recurrence's GMMA tile. The driver
 // entry point comes through the runtime (no libcuda link).
-Status make_qk_map(CUtensorMap* map, const TensorRef& t, const GdnForwardParams& p) {
+Status make_tile_map(CUtensorMap* map, const TensorRef& t, int64_t heads, const GdnForwardParams& p) {
   *map = CUtensorMap{};
   if (p.shape.seqlen == 0 || p.shape.batch == 0) return Status::Ok();  // never read
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;  // benign race: same value
@@ -829,7 +988,7 @@ Status make_qk_map(CUtensorMap* map, const TensorRef& t, const GdnForwardParams&
       return cuda_err(e != cudaSuccess ? e : cudaErrorNotSupported, "cuTensorMapEncodeTiled entry point");
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDK), static_cast<cuuint64_t>(p.shape.num_qk_heads),
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDK), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(p.shape.seqlen), static_cast<cuuint64_t>(p.shape.batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride[2]) * 2, static_cast<cuuint64_t>(t.stride[1]) * 2,
                                  static_cast<cuuint64_t>(t.stride[0]) * 2};
@@ -840,7 +999,7 @@ Status make_qk_map(CUtensorMap* map, const TensorRef& t, const GdnForwardParams&
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return Status::Error(StatusCode::kInvalidArgument,
-                         "sm90 forward: cuTensorMapEncodeTiled failed for q/k (error " + std::to_string(int(r)) + ")");
+                         "sm90 forward: cuTensorMapEncodeTiled failed for q/k/v (error " + std::to_string(int(r)) + ")");
   return Status::Ok();
 }
 
@@ -870,8 +1029,11 @@ Status launch(const GdnForwardParams& p) {
 
     if (mc > 0) {
       PrepParams pp{};
-      pp.q = p.q.data; pp.k = p.k.data; pp.v = p.v.data; pp.g = p.g.data; pp.beta = p.beta.data;
-      for (int i = 0; i < 3; ++i) { pp.sq[i] = p.q.stride[i]; pp.sk[i] = p.k.stride[i]; pp.sv[i] = p.v.stride[i]; }
+      Status ms = make_tile_map(&pp.tmq, p.q, p.shape.num_qk_heads, p);
+      if (ms.ok()) ms = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p);
+      if (ms.ok()) ms = make_tile_map(&pp.tmv, p.v, p.shape.num_v_heads, p);
+      if (!ms.ok()) return ms;
+      pp.g = p.g.data; pp.beta = p.beta.data;
       for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
       pp.g_dt = static_cast<int>(p.g.dtype);
       pp.b_dt = static_cast<int>(p.beta.dtype);
@@ -891,9 +1053,9 @@ Status launch(const GdnForwardParams& p) {
   if (!(stages & 2)) return Status::Ok();
 
   RecParams rp{};
-  Status ms = make_qk_map(&rp.tmq, p.q, p);
+  Status ms = make_tile_map(&rp.tmq, p.q, p.shape.num_qk_heads, p);
   if (!ms.ok()) return ms;
-  ms = make_qk_map(&rp.tmk, p.k, p);
+  ms = make_tile_map(&rp.tmk, p.k, p.shape.num_qk_heads, p);
   if (!ms.ok()) return ms;
   rp.sd = sd;
   rp.chunk_off = table;
