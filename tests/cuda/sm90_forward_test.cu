@@ -469,6 +469,25 @@ static double bench(const Case& c, cudaStream_t stream) {
   qla::sm90::set_test_stages(3);
   std::sort(ts.begin(), ts.end());
   tprep = ts[ts.size() / 2] * 1e-3;
+  // Each recurrence V tile forced (32: warp-specialized kernel, 64: single math warpgroup).
+  double tvt[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    qla::sm90::set_test_vt(k ? 64 : 32);
+    ts.clear();
+    for (int r = 0; r < 10; ++r) {
+      CK(cudaEventRecord(a, stream));
+      (void)qla::sm90::forward(D.p);
+      CK(cudaEventRecord(b, stream));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      ts.push_back(ms);
+    }
+    std::sort(ts.begin(), ts.end());
+    tvt[k] = ts[ts.size() / 2] * 1e3;
+  }
+  qla::sm90::set_test_vt(0);
+  std::printf("bench %-28s forced V tile 32: %8.1f us, 64: %8.1f us\n", c.name.c_str(), tvt[0], tvt[1]);
 #endif
   const double tok = double(P.c.T) * P.c.B;
   const double flops = 163840.0 * tok * c.HV;
