@@ -16,7 +16,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -43,7 +45,7 @@ constexpr int kUT = 32;   // V columns per u tile of the workspace (recurrence V
 //   w_hi (tok, d) | A_hi, A_lo (i, j)                                        (elements of T)
 // followed by an fp32 part that the producer also bulk-copies (the math loop never touches
 // global memory, whose latency would sit on the sequential path):
-//   u [V/32][tok][32] (each recurrence CTA's V tile contiguous) | gq[64] = scale e^gamma |
+//   u [V/32][tok][32] (each recurrence CTA's V tile contiguous; columns swizzled, u_index) | gq[64] = scale e^gamma |
 //   gk[64] = e^(Gamma-gamma) (0 on padding) | e^Gamma | pad (528 bytes of gates in all)
 // Q and K are not copied: the recurrence loads them from q, k with the tensor-memory
 // accelerator (TMA), 128-byte swizzled. w_lo is not stored: its product moved the final state
@@ -61,6 +63,11 @@ constexpr uint32_t kQKBytes = kImgTokD * 2;        // one Q or K tile (16 KiB, t
 constexpr uint32_t kGateBytes = (kFEG + 4 - kFGq) * 4;  // gq, gk, e^Gamma, pad (528 B, 16-B multiple)
 constexpr size_t kRegionBytes = (kF32Off + (kFEG + 4) * 4 + 1023) & ~size_t(1023);  // 65 KiB
 static_assert(kGateBytes % 16 == 0, "bulk copies move 16-byte multiples");
+
+// Index of u element (token r, column v) inside one 32-column u tile [tok][32]: groups of 8
+// columns are XOR-swizzled by r mod 4, so the recurrence's reads (8 rows x 8 columns per warp
+// instruction) and the prep's writes hit each bank at most twice instead of eight times.
+__host__ __device__ constexpr int u_index(int r, int v) { return r * kUT + ((((v >> 3) ^ r) & 3) << 3) + (v & 7); }
 
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>
@@ -174,8 +181,10 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 
 // ---------------------------------------------------------------------------------------------
 // 1. Chunk table: off[n] = sum_{m<n} ceil(len_m / 64), off[N] = total chunks. One block.
+//    Also clears the ready flags of the overlapped mode.
 // ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off) {
+__global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready) {
+  for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   __shared__ int warp_sum[32];
   __shared__ int carry;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -228,10 +237,11 @@ struct PrepParams {
   int N, H, HV;
   const int* chunk_off;
   void* regions;  // kRegionBytes per (chunk, value head)
+  int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
   float scale;
 };
 
-// Shared memory of gdn_prep (byte offsets from the 1 KiB aligned base). Buffers are reused once
+// Shared memory of one gdn_prep warpgroup (byte offsets from the 1 KiB aligned base). Buffers are reused once
 // their contents are dead; the phases are separated by CTA barriers.
 //   Q tile (TMA)   -> A hi|lo staging (bulk-stored) -> Tu = Tm diag(beta) hi|lo images
 //   K tile (TMA)   -> w_hi staging
@@ -244,7 +254,9 @@ constexpr uint32_t kPrepQ = 0, kPrepK = 16384, kPrepV = 32768, kPrepL = 49152;
 constexpr uint32_t kPrepT = kPrepL + kC * kLd * 4;
 constexpr uint32_t kPrepP = kPrepT + kC * kLd * 4;
 constexpr uint32_t kPrepMisc = kPrepP + 4 * 16 * kPd * 4;
-constexpr size_t kPrepSmem = 1024 + kPrepMisc + 3 * kC * 4 + 16;
+constexpr uint32_t kPrepWGBytes = (kPrepMisc + 3 * kC * 4 + 16 + 1023) & ~1023u;  // one warpgroup's slice
+constexpr size_t kPrepSmem = 1024 + 2 * size_t(kPrepWGBytes);                      // two warpgroups per CTA
+static_assert(kPrepSmem <= 232448, "prep smem over the 227 KiB limit");
 static_assert(kPrepV + 32768 <= kPrepT, "u staging overlaps Tm");
 static_assert(kPrepL + 16384 <= kPrepT, "Tw images overlap Tm");
 
@@ -297,17 +309,28 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. Chunk-parallel prep. One CTA (one warpgroup) per (chunk, value head).
+// 2. Chunk-parallel prep, one warpgroup per (chunk, value head) region.
 //    TMA loads of Q, K, V -> wgmma K K^T, Q K^T -> L (fp32) and A (hi/lo image, bulk-stored)
 //    -> Tm = (I + L)^-1 blockwise on all four warps -> Tu, Tw images -> wgmma w = Tw K,
 //    u = Tu V -> w_hi image and u staged in shared memory and bulk-stored.
 // ---------------------------------------------------------------------------------------------
+// Barrier among the 128 threads of one prep warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// One region. sm: the warpgroup's shared-memory slice; tid: 0..127; bar: the slice's TMA
+// mbarrier (initialised), used once per region with parity `phase`.
 template <class T>
-__global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepParams p) {
+__device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, int tid, int barid, uint64_t* bar,
+                                            uint32_t phase, int ci, int hv) {
   using L = Lay<T>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* sm = static_cast<uint8_t*>(
-      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   T* sQ = reinterpret_cast<T*>(sm + kPrepQ);
   T* sK = reinterpret_cast<T*>(sm + kPrepK);
   T* sV = reinterpret_cast<T*>(sm + kPrepV);
@@ -316,12 +339,8 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
   float* sGam = reinterpret_cast<float*>(sm + kPrepMisc);
   float* sBeta = sGam + kC;
   float* sBw = sBeta + kC;  // beta e^gamma (column scale of Tw)
-  uint64_t* bar = reinterpret_cast<uint64_t*>(sBw + kC);
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int ci = blockIdx.x, hv = blockIdx.y;
-  const int total = p.chunk_off[p.N];
-  if (ci >= total) return;  // grid is an upper bound on the chunk count
+  const int warp = tid >> 5, lane = tid & 31;
   // Largest n with off[n] <= ci (skips zero-length sequences).
   int lo = 0, hi = p.N - 1;
   while (lo < hi) {
@@ -340,8 +359,6 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
   // past the sequence end are the next sequence's tokens (zeros past the tensor end): finite,
   // and their beta is 0 below, so they reach neither L, Tm, w nor u; their A rows are never used.
   if (tid == 0) {
-    mbar_init(bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     mbar_expect_tx(bar, 3 * kQKBytes);
     const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
     CUTE_UNROLL
@@ -368,9 +385,9 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
     sGam[tid] = gv;
     sBeta[tid] = bv;
   }
-  __syncthreads();  // also publishes the mbarrier initialisation
+  wg_bar(barid);
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
-  __syncthreads();
+  wg_bar(barid);
   const float gam_last = sGam[len - 1];
 
   uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kRegionBytes;
@@ -386,7 +403,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
   Tensor tQ = make_tensor(make_smem_ptr(sQ), typename L::TokD_K{});
   Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
   Tensor tVmn = make_tensor(make_smem_ptr(sV), typename L::DTok_MN{});  // (v, tok)
-  mbar_wait(bar, 0);
+  mbar_wait(bar, phase);
 
   // K K^T and Q K^T (64 x 64 x 128).
   auto mma1 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
@@ -415,7 +432,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
   warpgroup_wait<0>();
   warpgroup_fence_operand(accKK);
   warpgroup_fence_operand(accQK);
-  __syncthreads();  // Q is dead: its bytes take the A image
+  wg_bar(barid);  // Q is dead: its bytes take the A image
 
   // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j) to fp32 smem, and the causal gated score
   // image A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j) as hi/lo into Q's bytes.
@@ -442,7 +459,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
     }
   }
   fence_async_smem();
-  __syncthreads();
+  wg_bar(barid);
   if (tid == 0) {
     bulk_s2g(regb + kOffAh * sizeof(T), sQ, 2 * kImgTokTok * sizeof(T));
     bulk_commit();
@@ -474,7 +491,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
       for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
     }
   }
-  __syncthreads();
+  wg_bar(barid);
   // Phase 2: warp w walks down its block column: Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw.
   // Lane: row r of the block, columns hc .. hc+7. Only __syncwarp inside (the column is the
   // warp's own; the diagonal inverses come from phase 1).
@@ -528,7 +545,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
     }
   }
   if (tid == 0) bulk_wait_read();  // the A image has left Q's bytes: they take the Tu images
-  __syncthreads();
+  wg_bar(barid);
 
   // Images of Tu = Tm diag(beta) (into Q's bytes) and Tw = Tm diag(beta e^gamma) (into L's
   // bytes), hi/lo, K-major (i, j). Each thread: 4 runs of 8 columns; blocks above the diagonal
@@ -565,7 +582,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
     }
   }
   fence_async_smem();
-  __syncthreads();
+  wg_bar(barid);
 
   // w = Tw K, u = Tu V (64 x 128 x 64), Tm as hi + lo.
   auto mma2 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
@@ -601,7 +618,7 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
   warpgroup_wait<0>();
   warpgroup_fence_operand(accW);
   warpgroup_fence_operand(accU);
-  __syncthreads();  // K, V and the images are dead: w and u are staged in their bytes
+  wg_bar(barid);  // K, V and the images are dead: w and u are staged in their bytes
 
   // w_hi as a 16-bit (tok, d) K-major image (K's bytes); u fp32 [V/32][tok][32] (V's and L's
   // bytes). Padding rows -> 0. Accumulator elements 2i, 2i+1 are columns c, c+1 of one row.
@@ -613,17 +630,47 @@ __global__ void __launch_bounds__(128) gdn_prep(const __grid_constant__ PrepPara
     const bool ok = r < len;
     const int off = static_cast<int>(&tK(r, c) - sK);
     *reinterpret_cast<uint32_t*>(sK + off) = pack2<T>(ok ? accW(i) : 0.f, ok ? accW(i + 1) : 0.f);
-    *reinterpret_cast<float2*>(sU + (c / kUT) * (kC * kUT) + r * kUT + c % kUT) =
+    *reinterpret_cast<float2*>(sU + (c / kUT) * (kC * kUT) + u_index(r, c % kUT)) =
         make_float2(ok ? accU(i) : 0.f, ok ? accU(i + 1) : 0.f);
   }
   fence_async_smem();
-  __syncthreads();
+  wg_bar(barid);
   if (tid == 0) {
     bulk_s2g(regb + kOffWh * sizeof(T), sK, kImgTokD * sizeof(T));
     bulk_s2g(regb + kF32Off + kFU * 4, sU, kC * kDV * 4);
     bulk_commit();
-    bulk_wait_read();  // shared memory must outlive the reads of the bulk stores
+    if (p.ready) {  // overlapped mode: the region must be complete in global memory, then flagged
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      st_release(p.ready + static_cast<size_t>(ci) * p.HV + hv, 1);
+    } else {
+      bulk_wait_read();  // the next region's TMA loads overwrite these bytes
+    }
   }
+}
+
+// Persistent: each CTA runs two independent warpgroups (own shared-memory slice, named barrier
+// and TMA mbarrier), and each warpgroup walks the regions chunk-major (all heads of chunk 0
+// first), so an overlapped recurrence finds its early chunks ready first.
+template <class T>
+__global__ void __launch_bounds__(256, 1) gdn_prep(const __grid_constant__ PrepParams p) {
+  // Let a programmatically dependent recurrence launch now (overlapped mode; see launch()).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* sm = base + wg * kPrepWGBytes;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kPrepMisc + 3 * kC * 4);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  wg_bar(1 + wg);
+  const int nreg = p.chunk_off[p.N] * p.HV;
+  uint32_t phase = 0;
+  for (int r = blockIdx.x * 2 + wg; r < nreg; r += gridDim.x * 2, phase ^= 1)
+    prep_region<T>(p, sm, tid, 1 + wg, bar, phase, r / p.HV, r % p.HV);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -657,7 +704,8 @@ struct RecParams {
   void* o;
   int64_t so[3];
   int H, HV;
-  int prec;  // kPrec* bits
+  int prec;      // kPrec* bits
+  const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
 
 constexpr int kStages = 2;
@@ -695,6 +743,11 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
     // finite, and harmless (their O rows are not stored, their X rows are zero).
     const int tok = static_cast<int>(t0) + c * kC;
     mbar_wait(&empty[st], ((c / kStages) & 1) ^ 1);
+    if (p.ready) {  // overlapped mode: the region is written by a concurrently running prep
+      const int* f = p.ready + static_cast<size_t>(ci0 + c) * p.HV + hv;
+      while (ld_acquire(f) == 0) __nanosleep(200);
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
+    }
     mbar_expect_tx(&full[st], Cfg::kStageTx);
     bulk_g2s(dst, src, kImgBytes, &full[st]);
     CUTE_UNROLL
@@ -849,7 +902,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     CUTE_UNROLL
     for (int i = 0; i < size(accU); i += 2) {
       const int r = get<0>(cU(i)), v = get<1>(cU(i));
-      const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + r * kUT + v % kUT);
+      const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + u_index(r, v % kUT));
       const float gq = sG[r], gk = sG[kC + r];
       const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
       __align__(4) T uh[2], ul[2], xh[2], xl[2];
@@ -1068,7 +1121,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       CUTE_UNROLL
       for (int i = 0; i < size(accU); i += 2) {
         const int r = get<0>(cU(i)), v = get<1>(cU(i));
-        const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + r * kUT + v % kUT);
+        const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + u_index(r, v % kUT));
         const float gk = sG[kC + r];
         const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
         uint32_t h, l;
@@ -1188,6 +1241,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
 int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
 int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
 int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
+int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
 #endif
 
 Status cuda_err(cudaError_t e, const char* what) {
@@ -1199,6 +1253,41 @@ Status cuda_err(cudaError_t e, const char* what) {
     if (e_ != cudaSuccess) return cuda_err(e_, what); \
   } while (0)
 
+// Per-device facts queried once (the eager path calls the op every few microseconds):
+// compute capability major, SM count, and whether the kernels' shared-memory opt-in is set.
+struct DeviceInfo {
+  int major = 0, sms = 0;
+  bool smem_ready[2] = {false, false};  // [bf16, fp16]
+};
+constexpr int kMaxDevices = 64;
+DeviceInfo g_devices[kMaxDevices];
+std::mutex g_devices_mu;
+
+Status device_info(DeviceInfo** out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess)
+    return Status::Error(StatusCode::kNotSupported, std::string("sm90 forward: no CUDA device: ") + cudaGetErrorString(e));
+  if (dev < 0 || dev >= kMaxDevices)
+    return Status::Error(StatusCode::kNotSupported, "sm90 forward: device index out of range");
+  DeviceInfo& d = g_devices[dev];
+  if (__atomic_load_n(&d.sms, __ATOMIC_ACQUIRE) == 0) {
+    std::lock_guard<std::mutex> lock(g_devices_mu);
+    if (d.sms == 0) {
+      int major = 0, sms = 0;
+      e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      if (e != cudaSuccess)
+        return Status::Error(StatusCode::kNotSupported,
+                             std::string("sm90 forward: cannot query the CUDA device: ") + cudaGetErrorString(e));
+      d.major = major;
+      __atomic_store_n(&d.sms, sms, __ATOMIC_RELEASE);
+    }
+  }
+  *out = &d;
+  return Status::Ok();
+}
+
 int64_t num_seqs(const GdnForwardParams& p) { return p.cu_seqlens.data ? p.num_seqs : p.shape.batch; }
 
 // Upper bound on the total chunk count, from shapes only.
@@ -1209,7 +1298,7 @@ int64_t max_chunks(const GdnForwardParams& p) {
 }
 
 struct WsLayout {
-  size_t table = 0, regions = 0, total = 0;
+  size_t table = 0, ready = 0, regions = 0, total = 0;
 };
 WsLayout ws_layout(const GdnForwardParams& p) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
@@ -1218,7 +1307,8 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   const size_t HV = static_cast<size_t>(p.shape.num_v_heads);
   WsLayout w;
   w.table = 0;
-  w.regions = up(4 * (N + 1));
+  w.ready = up(4 * (N + 1));             // one int per (chunk, value head)
+  w.regions = w.ready + up(4 * mc * HV);
   w.total = w.regions + mc * HV * kRegionBytes;
   return w;
 }
@@ -1277,6 +1367,26 @@ Status launch(const GdnForwardParams& p) {
   const int64_t mc = max_chunks(p);
   if (N == 0) return Status::Ok();
 
+  DeviceInfo* dinfo = nullptr;
+  Status ds = device_info(&dinfo);
+  if (!ds.ok()) return ds;
+  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
+  if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {  // opt in to > 48 KiB of shared memory, once
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
+                 "cudaFuncSetAttribute(gdn_prep)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur_ws)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur)");
+    __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
+  }
+
+  // Tensor maps of q and k (shared by prep and recurrence); v's is made for prep below.
+  CUtensorMap tmq, tmk;
+  Status ms = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p);
+  if (ms.ok()) ms = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p);
+  if (!ms.ok()) return ms;
+
   SeqDesc sd;
   sd.cu = p.cu_seqlens.data;
   sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
@@ -1287,15 +1397,34 @@ Status launch(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
   stages = g_test_stages;
 #endif
+  // Recurrence shape. V tile 32 (4 CTAs per sequence and head, warp-specialized kernel) when that
+  // still fits on the SMs: the sequential chunk loop is latency-bound, and a narrower tile cuts
+  // its per-chunk work. Otherwise V tile 64 (2 CTAs, one math warpgroup).
+  bool vt32 = static_cast<int64_t>(N) * HV * (kDV / 32) <= dinfo->sms;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_vt) vt32 = g_test_vt == 32;
+#endif
+  const int64_t rec_ctas = static_cast<int64_t>(N) * HV * (kDV / (vt32 ? kWsVT : 64));
+  // Overlapped mode: when the recurrence takes at most half the SMs, the prep runs beside it on
+  // the others (the recurrence is launched as its programmatic dependent and waits per region
+  // on a ready flag) instead of before it. Without programmatic launch the two kernels simply
+  // run in order, and every flag is already set.
+  bool overlap = vt32 && 2 * rec_ctas <= dinfo->sms;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_overlap >= 0) overlap = g_test_overlap && vt32 && rec_ctas < dinfo->sms;
+#endif
+  int* ready = reinterpret_cast<int*>(ws + wl.ready);
+  const int64_t nregions = mc * HV;
+
   if (stages & 1) {
-    gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table);
+    gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
 
     if (mc > 0) {
       PrepParams pp{};
-      Status ms = make_tile_map(&pp.tmq, p.q, p.shape.num_qk_heads, p);
-      if (ms.ok()) ms = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p);
-      if (ms.ok()) ms = make_tile_map(&pp.tmv, p.v, p.shape.num_v_heads, p);
+      pp.tmq = tmq;
+      pp.tmk = tmk;
+      Status ms = make_tile_map(&pp.tmv, p.v, p.shape.num_v_heads, p);
       if (!ms.ok()) return ms;
       pp.g = p.g.data; pp.beta = p.beta.data;
       for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
@@ -1307,20 +1436,20 @@ Status launch(const GdnForwardParams& p) {
       pp.HV = HV;
       pp.chunk_off = table;
       pp.regions = ws + wl.regions;
+      pp.ready = overlap ? ready : nullptr;
       pp.scale = p.scale;
-      QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
-                   "cudaFuncSetAttribute(gdn_prep)");
-      gdn_prep<T><<<dim3(static_cast<unsigned>(mc), HV), 128, kPrepSmem, stream>>>(pp);
+      // Persistent: one CTA (two warpgroups) per SM, or per SM the recurrence leaves free.
+      const int64_t want = overlap ? dinfo->sms - rec_ctas : dinfo->sms;
+      const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, (nregions + 1) / 2)));
+      gdn_prep<T><<<grid, 256, kPrepSmem, stream>>>(pp);
       QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
     }
   }
   if (!(stages & 2)) return Status::Ok();
 
   RecParams rp{};
-  Status ms = make_tile_map(&rp.tmq, p.q, p.shape.num_qk_heads, p);
-  if (!ms.ok()) return ms;
-  ms = make_tile_map(&rp.tmk, p.k, p.shape.num_qk_heads, p);
-  if (!ms.ok()) return ms;
+  rp.tmq = tmq;
+  rp.tmk = tmk;
   rp.sd = sd;
   rp.chunk_off = table;
   rp.regions = ws + wl.regions;
@@ -1332,25 +1461,23 @@ Status launch(const GdnForwardParams& p) {
   rp.H = static_cast<int>(p.shape.num_qk_heads);
   rp.HV = HV;
   rp.prec = kPrecDefault;
+  rp.ready = overlap ? ready : nullptr;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_prec >= 0) rp.prec = g_test_prec;
 #endif
-  // V tile 32 (4 CTAs per sequence and head) when that still fits on the SMs: the sequential
-  // chunk loop is latency-bound, and a narrower tile roughly halves its per-chunk work.
-  int dev = 0, sms = 0;
-  QLA_CUDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
-  QLA_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  bool vt32 = static_cast<int64_t>(N) * HV * (kDV / 32) <= sms;
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_vt) vt32 = g_test_vt == 32;
-#endif
   if (vt32) {
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur_ws)");
-    gdn_recur_ws<T><<<dim3(N, HV, kDV / kWsVT), 288, RecWsCfg::kSmem, stream>>>(rp);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(N, HV, kDV / kWsVT);
+    cfg.blockDim = dim3(288);
+    cfg.dynamicSmemBytes = RecWsCfg::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = overlap ? 1 : 0;
+    QLA_CUDA_TRY(cudaLaunchKernelEx(&cfg, gdn_recur_ws<T>, rp), "launch gdn_recur_ws");
   } else {
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur)");
     gdn_recur<T, 64><<<dim3(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
   }
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
@@ -1367,6 +1494,7 @@ bool compiled() { return true; }
 void set_test_precision(int bits) { g_test_prec = bits; }
 void set_test_stages(int bits) { g_test_stages = bits; }
 void set_test_vt(int vt) { g_test_vt = vt; }
+void set_test_overlap(int on) { g_test_overlap = on; }
 #endif
 
 Status check_supported(const GdnForwardParams& p) {
@@ -1394,12 +1522,10 @@ Status check_supported(const GdnForwardParams& p) {
     return ns("o needs 4-byte aligned data and even strides");
   if (num_seqs(p) > 2147483647LL || max_chunks(p) > 2147483647LL / 2 || p.shape.num_v_heads > 65535)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return ns(std::string("no CUDA device: ") + cudaGetErrorString(e));
-  int major = 0;
-  e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (e != cudaSuccess) return ns(std::string("cannot query the CUDA device: ") + cudaGetErrorString(e));
+  DeviceInfo* dinfo = nullptr;
+  Status ds = device_info(&dinfo);
+  if (!ds.ok()) return ds;
+  const int major = dinfo->major;
   if (major != 9) return ns("device is compute capability " + std::to_string(major) + ".x, the sm90 backend needs 9.x");
   return Status::Ok();
 }

@@ -33,6 +33,7 @@ namespace qla { namespace sm90 {
 void set_test_precision(int bits);
 void set_test_stages(int bits);
 void set_test_vt(int vt);
+void set_test_overlap(int on);
 } }
 #endif
 
@@ -469,10 +470,8 @@ static double bench(const Case& c, cudaStream_t stream) {
   qla::sm90::set_test_stages(3);
   std::sort(ts.begin(), ts.end());
   tprep = ts[ts.size() / 2] * 1e-3;
-  // Each recurrence V tile forced (32: warp-specialized kernel, 64: single math warpgroup).
-  double tvt[2] = {0, 0};
-  for (int k = 0; k < 2; ++k) {
-    qla::sm90::set_test_vt(k ? 64 : 32);
+  // Median of 10 forwards under the current test settings.
+  auto time10 = [&]() {
     ts.clear();
     for (int r = 0; r < 10; ++r) {
       CK(cudaEventRecord(a, stream));
@@ -484,10 +483,22 @@ static double bench(const Case& c, cudaStream_t stream) {
       ts.push_back(ms);
     }
     std::sort(ts.begin(), ts.end());
-    tvt[k] = ts[ts.size() / 2] * 1e3;
-  }
+    return ts[ts.size() / 2] * 1e3;
+  };
+  // Each recurrence V tile forced (32: warp-specialized kernel, 64: single math warpgroup), then
+  // the overlapped prep forced off / on (default V tile).
+  qla::sm90::set_test_vt(32);
+  const double t32 = time10();
+  qla::sm90::set_test_vt(64);
+  const double t64 = time10();
   qla::sm90::set_test_vt(0);
-  std::printf("bench %-28s forced V tile 32: %8.1f us, 64: %8.1f us\n", c.name.c_str(), tvt[0], tvt[1]);
+  qla::sm90::set_test_overlap(0);
+  const double tov0 = time10();
+  qla::sm90::set_test_overlap(1);
+  const double tov1 = time10();
+  qla::sm90::set_test_overlap(-1);
+  std::printf("bench %-28s V tile 32: %7.1f us, 64: %7.1f | overlapped prep off %7.1f, on %7.1f\n", c.name.c_str(),
+              t32, t64, tov0, tov1);
 #endif
   const double tok = double(P.c.T) * P.c.B;
   const double flops = 163840.0 * tok * c.HV;
@@ -572,7 +583,7 @@ int main(int argc, char** argv) {
   { Case c; c.name = "bench dist T1536 GVA4 (g=0 head 0)"; c.B = 1; c.T = 1536; c.H = 1; c.HV = 4; c.gmode = 3;
     cases.push_back(c); }
 
-  for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1) && ok;
+  for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1 || i == 4) && ok;
 
   if (do_bench)
     for (const Case& c : bench_rows()) bench(c, stream);
