@@ -525,6 +525,8 @@ static std::vector<Case> bench_rows() {
   row("2B TP1 1x32768 [FLA 2.12]", 1, 32768, 16, 16);
   row("2B TP1 1024x8", 8, 1024, 16, 16);
   row("397B TP4 4096x4", 4, 4096, 4, 16);
+  row("35B TP1 28672+4096", 1, 32768, 16, 32);
+  r.back().lens = {28672, 4096};
   return r;
 }
 
