@@ -782,7 +782,9 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
   uint64_t* empty = full + kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int n = blockIdx.x, hv = blockIdx.y, vt = blockIdx.z;
+  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
+  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
   const int HV = p.HV;
 #ifdef QLA_SM90_TEST_HOOKS
   const int prec = p.prec;
@@ -1022,7 +1024,9 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
   T* sXl = sXh + kC * VT;
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int n = blockIdx.x, hv = blockIdx.y, vt = blockIdx.z;
+  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
+  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC);
@@ -1469,7 +1473,7 @@ Status launch(const GdnForwardParams& p) {
 #endif
   if (vt32) {
     cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(N, HV, kDV / kWsVT);
+    cfg.gridDim = dim3(N * (kDV / kWsVT), HV);
     cfg.blockDim = dim3(288);
     cfg.dynamicSmemBytes = RecWsCfg::kSmem;
     cfg.stream = stream;
@@ -1480,7 +1484,7 @@ Status launch(const GdnForwardParams& p) {
     cfg.numAttrs = overlap ? 1 : 0;
     QLA_CUDA_TRY(cudaLaunchKernelEx(&cfg, gdn_recur_ws<T>, rp), "launch gdn_recur_ws");
   } else {
-    gdn_recur<T, 64><<<dim3(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
   }
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
   return Status::Ok();
@@ -1522,7 +1526,7 @@ Status check_supported(const GdnForwardParams& p) {
   }
   if (!aligned(p.o.data, 4) || p.o.stride[0] % 2 || p.o.stride[1] % 2 || p.o.stride[2] % 2)
     return ns("o needs 4-byte aligned data and even strides");
-  if (num_seqs(p) > 2147483647LL || max_chunks(p) > 2147483647LL / 2 || p.shape.num_v_heads > 65535)
+  if (num_seqs(p) > 2147483647LL / 4 || max_chunks(p) > 2147483647LL / 2 || p.shape.num_v_heads > 65535)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
