@@ -395,8 +395,7 @@ def main(argv=None) -> int:
         derive(res, ceilings)
         print_row(res, bks)
         results.append(res)
-        if (i + 1) % 10 == 0:
-            write_outputs(args, meta, results)  # keep partial results if a later row dies
+        write_outputs(args, meta, results)  # keep partial results if a later row dies or time runs out
     for why in peers.unavailable():
         print(f"[peers] {why}")
     write_outputs(args, meta, results)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
-#   bash scripts/device_check.sh [tests] [memcheck] [bench] [grid] [grid-bwd]   (default: all)
+#   bash scripts/device_check.sh [tests] [memcheck] [bench] [grid] [grid-par] [grid-bwd]
+#   (default: tests memcheck bench grid)
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call.
 set -uo pipefail
@@ -67,6 +68,23 @@ if want grid; then
   # GRID_ARGS narrows the rows or backends, e.g. "--layouts 1x32768,8192x4 --backends qla,fla".
   timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
     | tee "$OUT/grid_fwd.log" | tail -45
+fi
+if want grid-par; then
+  # The forward grid split by head configurations over the GPUs of the machine, one process
+  # per GPU (each row still times QLA and its peers side by side in one process), then merged.
+  # GRID_GROUPS: head lists separated by ';', one per GPU.
+  echo "== forward grid, parallel over GPUs"
+  IFS=';' read -ra groups <<< "${GRID_GROUPS:-2/8,4/16,8/32,16/64,16/32;8/24,16/48,16/16,32/32}"
+  jsons=()
+  for i in "${!groups[@]}"; do
+    CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd --heads "${groups[$i]}" \
+      ${GRID_ARGS:-} --json "$OUT/grid_fwd_$i.json" > "$OUT/grid_fwd_$i.log" 2>&1 &
+    jsons+=("$OUT/grid_fwd_$i.json")
+  done
+  wait
+  tail -3 "$OUT"/grid_fwd_*.log
+  python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_fwd.md" 2>&1 | tail -3
+  grep -E "geometric|faster on" "$OUT/grid_fwd.md"
 fi
 if want grid-bwd; then
   echo "== backward grid"
