@@ -1402,11 +1402,12 @@ Status launch(const GdnForwardParams& p) {
   stages = g_test_stages;
 #endif
   // Recurrence shape. V tile 32 (4 CTAs per sequence and head, warp-specialized kernel) when that
-  // makes at most two waves: the sequential chunk loop is latency-bound, and a narrower tile cuts
-  // its per-chunk work (with unequal lengths the second wave starts when short sequences end).
+  // makes at most two waves, or when there are one or two sequences: the sequential chunk loop is
+  // latency-bound, a narrower tile cuts its per-chunk work, and with two sequences of unequal
+  // length the longer one sets the time (16/64 at 24576+8192: 4.0 ms with V tile 64).
   // Otherwise V tile 64 (2 CTAs per sequence and head, one math warpgroup), measured faster
-  // from about four waves of V-tile-32 CTAs on (16/32 at 8192x4: 1.61 vs 1.77 ms).
-  bool vt32 = static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
+  // with many equal sequences (16/32 at 8192x4: 1.61 vs 1.77 ms).
+  bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_vt) vt32 = g_test_vt == 32;
 #endif
