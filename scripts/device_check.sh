@@ -60,7 +60,8 @@ fi
 if want bench; then
   echo "== qla.bench"
   timeout 120 python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
-  python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -6
+  python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -8
+  python3 bench/peak_memory.py 2>&1 | tee "$OUT/peak_memory.log" | tail -4
 fi
 
 if want grid; then

@@ -1,0 +1,34 @@
+"""Peak extra device memory of one forward call (workspace and anything else the op allocates
+beyond its outputs), measured with the CUDA caching allocator's peak counter.
+
+    python3 bench/peak_memory.py        # the rows below, on the current GPU
+"""
+import torch
+
+import grid
+import qla
+
+ROWS = [("397B/122B TP1 16/64 8192x4", (8192,) * 4, 16, 64), ("35B/9B/4B TP1 16/32 1x32768", (32768,), 16, 32),
+        ("397B/122B TP8 2/8 1x32768", (32768,), 2, 8)]
+
+
+def main():
+    for label, lengths, h, hv in ROWS:
+        inp = grid.make_inputs(lengths, h, hv, seed=0)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            o, ht = qla.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.h0,
+                                               output_final_state=True, cu_seqlens=inp.cu_seqlens)
+        torch.cuda.synchronize()
+        outputs = o.numel() * o.element_size() + ht.numel() * ht.element_size()
+        extra = torch.cuda.max_memory_allocated() - base - outputs
+        print(f"{label}: peak extra device memory {extra / 2**30:.3f} GiB "
+              f"(outputs {outputs / 2**30:.3f} GiB, inputs {base / 2**30:.3f} GiB)", flush=True)
+        del inp, o, ht
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
