@@ -20,3 +20,9 @@ for v_first in (False, True):
                                        state_v_first=v_first)
 torch.cuda.synchronize()
 print("memcheck case ran; o finite:", bool(torch.isfinite(o).all()))
+# Malformed device cu_seqlens (a decreasing step, last entry past T): NaN outputs, no access
+# outside the tensors.
+bad = torch.tensor([0, 200, 100, T + 64, T, T, T, T], dtype=torch.int32, device=dev)
+o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=bad)
+torch.cuda.synchronize()
+print("malformed cu_seqlens: o all NaN:", bool(torch.isnan(o).all()), "state all NaN:", bool(torch.isnan(ht).all()))

@@ -111,6 +111,9 @@ struct GdnForwardParams {
   // Optional varlen boundaries (data == nullptr: none). int32 or int64, [num_seqs + 1],
   // contiguous. Requires batch == 1. For Device::kCuda the pointer is a device pointer;
   // the CPU copy (cu_seqlens_host) is optional and only used for validation/planning if given.
+  // Without it the CUDA forward checks the device values itself: if they are malformed (first
+  // entry not 0, a decreasing step, last entry not seqlen) it writes NaN to every element of o
+  // and final_state and reads nothing else; the returned Status cannot report it (no sync).
   TensorRef cu_seqlens;
   int64_t num_seqs = 0;                     // N when cu_seqlens is given
   const int64_t* cu_seqlens_host = nullptr; // optional host copy (N + 1 entries)

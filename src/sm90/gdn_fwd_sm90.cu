@@ -1,9 +1,10 @@
 // sm90 (Hopper, sm_90a) forward backend of the Gated DeltaNet chunked prefill.
 // Three launches on p.stream, no host synchronisation (graph-capturable):
-//   1. gdn_chunk_table: per-sequence chunk offsets (prefix sum of ceil(len/64)), on device.
-//   2. gdn_prep<T>:     chunk-parallel, one CTA per (chunk, value head): gamma, K K^T, Q K^T,
-//                       Tm = (I+L)^-1, and the wgmma-ready operand images of the recurrence.
-//   3. gdn_recur<T>:    sequential over chunks, one CTA per (sequence, value head, V tile of 64):
+//   1. gdn_chunk_table: per-sequence chunk offsets (prefix sum of ceil(len/64)) and the check of
+//                       the device cu_seqlens, on device.
+//   2. gdn_prep<T>:     chunk-parallel, persistent, one warpgroup per (chunk, value head) region:
+//                       gamma, K K^T, Q K^T, Tm = (I+L)^-1, and the wgmma-ready operand images.
+//   3. the recurrence:  sequential over chunks per (sequence, value head, V tile of 32 or 64):
 //                       U = u - w S, O = diag(scale e^gamma) Q S + A U,
 //                       S = e^Gamma S + K^T diag(e^(Gamma-gamma)) U (all wgmma).
 // Precision: the wgmma operands that are not exact inputs (Tm, A, S, U, X) are split into
@@ -183,13 +184,26 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 // 1. Chunk table: off[n] = sum_{m<n} ceil(len_m / 64), off[N] = total chunks. One block.
 //    Also clears the ready flags of the overlapped mode.
 // ---------------------------------------------------------------------------------------------
+// off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
+// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written)
+// and the recurrence fills o and the final state with NaN instead (see fill_nan_outputs).
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready) {
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   __shared__ int warp_sum[32];
   __shared__ int carry;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) carry = 0;
-  __syncthreads();
+  int bad = 0;
+  if (sd.cu) {
+    for (int n = tid; n < N; n += 1024) bad |= cu_at(sd, n + 1) < cu_at(sd, n);
+    if (tid == 0) bad |= cu_at(sd, 0) != 0 || cu_at(sd, N) != sd.T;
+  }
+  if (__syncthreads_or(bad)) {
+    for (int n = tid; n <= N; n += 1024) off[n] = 0;
+    if (tid == 0) off[N + 1] = 1;
+    return;
+  }
+  if (tid == 0) off[N + 1] = 0;
   for (int base = 0; base < N; base += 1024) {
     const int n = base + tid;
     int cnt = 0;
@@ -703,7 +717,7 @@ struct RecParams {
   int vk;  // StateLayout::kVK
   void* o;
   int64_t so[3];
-  int H, HV;
+  int N, H, HV;
   int prec;      // kPrec* bits
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
@@ -725,6 +739,27 @@ struct RecCfg {
 // One 32 KiB buffer holds S hi/lo during batch 1 and U hi/lo, X hi/lo during batch 2: their
 // lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
 static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
+
+// Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
+// every element of o and of the final state becomes NaN (grid-stride over the whole grid).
+template <class T>
+__device__ void fill_nan_outputs(const RecParams& p) {
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t first = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t HV = p.HV, no = p.sd.T * HV * kDV;  // varlen: B == 1
+  T* o = static_cast<T*>(p.o);
+  for (int64_t i = first; i < no; i += nthreads) {
+    const int64_t v = i % kDV, h = (i / kDV) % HV, t = i / (kDV * HV);
+    o[t * p.so[1] + h * p.so[2] + v] = T(__int_as_float(0x7fc00000));
+  }
+  if (p.hT) {
+    const int64_t nh = static_cast<int64_t>(p.N) * HV * kDK * kDV;
+    for (int64_t i = first; i < nh; i += nthreads) {
+      const int64_t j = i % (kDK * kDV), h = (i / (kDK * kDV)) % HV, n = i / (kDK * kDV * HV);
+      p.hT[n * p.shT[0] + h * p.shT[1] + (j / kDV) * p.shT[2] + j % kDV] = __int_as_float(0x7fc00000);
+    }
+  }
+}
 
 // Producer loop (one thread): for each chunk of the sequence, wait for a free stage, then the
 // bulk copy of the chunk's 16-bit image, TMA loads of its Q and K tiles straight from q and k,
@@ -795,6 +830,10 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC);
   const int ci0 = p.chunk_off[n];
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
+    fill_nan_outputs<T>(p);
+    return;
+  }
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -1031,6 +1070,10 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC);
   const int ci0 = p.chunk_off[n];
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
+    fill_nan_outputs<T>(p);
+    return;
+  }
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -1311,7 +1354,7 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   const size_t HV = static_cast<size_t>(p.shape.num_v_heads);
   WsLayout w;
   w.table = 0;
-  w.ready = up(4 * (N + 1));             // one int per (chunk, value head)
+  w.ready = up(4 * (N + 2));             // after off[0..N] and the cu_seqlens check; one int per (chunk, value head)
   w.regions = w.ready + up(4 * mc * HV);
   w.total = w.regions + mc * HV * kRegionBytes;
   return w;
@@ -1465,6 +1508,7 @@ Status launch(const GdnForwardParams& p) {
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = p.initial_state.stride[i]; rp.shT[i] = p.final_state.stride[i]; rp.so[i] = p.o.stride[i]; }
   rp.vk = p.state_layout == StateLayout::kVK;
   rp.o = p.o.data;
+  rp.N = N;
   rp.H = static_cast<int>(p.shape.num_qk_heads);
   rp.HV = HV;
   rp.prec = kPrecDefault;

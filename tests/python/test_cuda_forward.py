@@ -132,3 +132,21 @@ def test_inputs_not_modified_and_unsupported_head_dim_is_a_clear_error():
     y = _inputs([10], 1, 1, "mild", K=64, V=64)
     with pytest.raises(ValueError, match=r"128"):
         qla.chunk_gated_delta_rule(y["q"], y["k"], y["v"], y["g"], y["beta"])
+
+
+@pytest.mark.parametrize("bad", [[0, 300, 200, 500], [0, 100, 300], [5, 200, 500]])
+def test_malformed_device_cu_seqlens_give_nan_not_a_crash(bad):
+    # Device cu_seqlens are not read on the host (no synchronisation). Malformed values (here: a
+    # decreasing step, a last entry short of T, a first entry not 0) must neither fault nor give a
+    # plausible answer: the op writes NaN to every element of o and of the final state.
+    x = _inputs([250, 250], 2, 4, "mild")
+    x["cu_seqlens"] = torch.tensor(bad, dtype=torch.int32, device="cuda")
+    x["initial_state"] = torch.randn(len(bad) - 1, 4, 128, 128, device="cuda")
+    o, ht = qla.chunk_gated_delta_rule(**x, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(o).all() and torch.isnan(ht).all()
+    # A well-formed call afterwards is unaffected.
+    y = _inputs([250, 250], 2, 4, "mild")
+    o2, _ = qla.chunk_gated_delta_rule(**y, output_final_state=True)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o2).any()
