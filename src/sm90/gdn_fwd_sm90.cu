@@ -69,6 +69,19 @@ static_assert(kGateBytes % 16 == 0, "bulk copies move 16-byte multiples");
 // columns are XOR-swizzled by r mod 4, so the recurrence's reads (8 rows x 8 columns per warp
 // instruction) and the prep's writes hit each bank at most twice instead of eight times.
 __host__ __device__ constexpr int u_index(int r, int v) { return r * kUT + ((((v >> 3) ^ r) & 3) << 3) + (v & 7); }
+// The swizzle only permutes the columns inside each row (prep writes and recurrence reads agree).
+constexpr bool u_index_is_row_permutation() {
+  for (int r = 0; r < kC; ++r) {
+    unsigned seen = 0;
+    for (int v = 0; v < kUT; ++v) {
+      const int i = u_index(r, v) - r * kUT;
+      if (i < 0 || i >= kUT || (seen >> i & 1u)) return false;
+      seen |= 1u << i;
+    }
+  }
+  return true;
+}
+static_assert(u_index_is_row_permutation(), "u_index must permute the 32 columns of each row");
 
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>
@@ -820,7 +833,6 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
   // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
   // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
   const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
-  const int HV = p.HV;
 #ifdef QLA_SM90_TEST_HOOKS
   const int prec = p.prec;
 #else
