@@ -5,6 +5,8 @@
   differentiable through torch autograd. It is the CPU baseline of ``python -m qla.bench``.
 - ``chunked_backward``: the chunked backward written out by hand (no autograd), step by step
   in the order the sm90 backward kernels compute it (docs/backward.md numbers the equations).
+- ``split_forward``: the forward with each sequence cut into pieces that run in parallel
+  (docs/gdn.md section 5; the plan for few-head long rows, docs/split.md).
 """
 from __future__ import annotations
 
@@ -29,6 +31,49 @@ def recurrent(q, k, v, g, beta, scale: Optional[float] = None, initial_state=Non
         outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, HV, V)
     return o, S
+
+
+def split_forward(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, pieces: int = 2,
+                  chunk: int = 64, warmup_chunks: Optional[int] = None):
+    """``chunked`` with every batch row cut into ``pieces`` pieces of whole chunks (the last may be
+    shorter). A piece maps the state entering it linearly: S_end = A_p S_start + R_p.
+
+    Exact (``warmup_chunks`` None): pass 1 gives every piece but the last its (A_p, R_p): R_p is
+    the piece run from a zero state, A_p (K x K) the piece run on the identity with v = 0 (the
+    same chain with K more columns and no input); pass 2 scans S_{p+1} = A_p S_p + R_p over the
+    pieces; pass 3 runs every piece from its true entering state (outputs and final state).
+    Passes 1 and 3 are parallel over pieces, pass 2 is P - 1 small matrix products.
+
+    Approximate (``warmup_chunks`` = w): no A_p; the state entering piece p is the state after
+    the last w chunks of piece p - 1 run from zero, which drops the older state's contribution,
+    scaled by the exponential of the sum of g over those w chunks (right for decaying heads,
+    wrong for heads with g ~ 0)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    S0 = initial_state if initial_state is not None else q.new_zeros(B, HV, K, V)
+    per = -(-max(1, -(-T // chunk)) // pieces) * chunk  # tokens per piece (whole chunks)
+    bounds = [(a, min(a + per, T)) for a in range(0, T, per)] or [(0, 0)]
+    sl = lambda x, a, b: x[:, a:b]
+    starts = [S0]
+    for i, (a, b) in enumerate(bounds[:-1]):
+        args = [sl(x, a, b) for x in (q, k, v, g, beta)]
+        if warmup_chunks is None:
+            _, R = chunked(*args, scale=scale, chunk=chunk)  # pass 1: from zero
+            eye = torch.eye(K, dtype=q.dtype, device=q.device).expand(B, HV, K, K)
+            zero_v = q.new_zeros(B, b - a, HV, K)
+            _, A = chunked(args[0], args[1], zero_v, args[3], args[4], scale=scale, initial_state=eye.contiguous(),
+                           chunk=chunk)
+            starts.append(A @ starts[-1] + R)  # pass 2 (a sequential scan in the kernels: P - 1 steps)
+        else:
+            w0 = max(a, b - warmup_chunks * chunk)
+            _, Sw = chunked(*[sl(x, w0, b) for x in (q, k, v, g, beta)], scale=scale, chunk=chunk)
+            starts.append(Sw)
+    outs, S = [], None
+    for (a, b), Sa in zip(bounds, starts):  # pass 3
+        o, S = chunked(*[sl(x, a, b) for x in (q, k, v, g, beta)], scale=scale, initial_state=Sa, chunk=chunk)
+        outs.append(o)
+    return torch.cat(outs, 1), S
 
 
 def chunked(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, chunk: int = 64):
