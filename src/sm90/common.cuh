@@ -1,0 +1,250 @@
+// sm90 forward: shapes, the workspace region layout, shared-memory layouts and the small PTX
+// helpers (mbarriers, bulk copies, TMA, fences, named barriers) used by the kernels.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "qla/qla.h"
+
+namespace qla {
+namespace sm90 {
+// Anonymous: these headers are included by gdn_fwd_sm90.cu alone (internal linkage).
+namespace {
+
+using namespace cute;
+
+
+constexpr int kC = 64;    // chunk length
+constexpr int kDK = 128;  // head dim of q/k
+constexpr int kDV = 128;  // head dim of v
+constexpr int kUT = 32;   // V columns per u tile of the workspace (recurrence V tiles: 32 or 64)
+
+// Workspace region of one (chunk, value head). The 16-bit part holds the exact shared-memory
+// bytes (swizzled GMMA layouts) that gdn_recur wants, so one plain bulk copy loads it:
+//   w_hi (tok, d) | A_hi, A_lo (i, j)                                        (elements of T)
+// followed by an fp32 part that the producer also bulk-copies (the math loop never touches
+// global memory, whose latency would sit on the sequential path):
+//   u [V/32][tok][32] (each recurrence CTA's V tile contiguous; columns swizzled, u_index) | gq[64] = scale e^gamma |
+//   gk[64] = e^(Gamma-gamma) (0 on padding) | e^Gamma | pad (528 bytes of gates in all)
+// Q and K are not copied: the recurrence loads them from q, k with the tensor-memory
+// accelerator (TMA), 128-byte swizzled. w_lo is not stored: its product moved the final state
+// error from ~5e-6 to ~1e-3 only (see README "Precision"), for 16 KiB per region.
+constexpr int kImgTokD = kC * kDK;   // 64 x 128
+constexpr int kImgTokTok = kC * kC;  // 64 x 64
+constexpr int kOffWh = 0;
+constexpr int kOffAh = kImgTokD;
+constexpr int kOffAl = kImgTokD + kImgTokTok;
+constexpr int kImgElems = kImgTokD + 2 * kImgTokTok;  // 16384 elements = 32 KiB
+constexpr size_t kF32Off = size_t(kImgElems) * 2;      // byte offset of the fp32 part
+constexpr int kFU = 0, kFGq = kC * kDV, kFGk = kFGq + kC, kFEG = kFGk + kC;
+constexpr uint32_t kImgBytes = kImgElems * 2;      // 16-bit image (32 KiB)
+constexpr uint32_t kQKBytes = kImgTokD * 2;        // one Q or K tile (16 KiB, two TMA boxes)
+constexpr uint32_t kGateBytes = (kFEG + 4 - kFGq) * 4;  // gq, gk, e^Gamma, pad (528 B, 16-B multiple)
+constexpr size_t kRegionBytes = (kF32Off + (kFEG + 4) * 4 + 1023) & ~size_t(1023);  // 65 KiB
+static_assert(kGateBytes % 16 == 0, "bulk copies move 16-byte multiples");
+
+// Index of u element (token r, column v) inside one 32-column u tile [tok][32]: groups of 8
+// columns are XOR-swizzled by r mod 4, so the recurrence's reads (8 rows x 8 columns per warp
+// instruction) and the prep's writes hit each bank at most twice instead of eight times.
+__host__ __device__ constexpr int u_index(int r, int v) { return r * kUT + ((((v >> 3) ^ r) & 3) << 3) + (v & 7); }
+// The swizzle only permutes the columns inside each row (prep writes and recurrence reads agree).
+constexpr bool u_index_is_row_permutation() {
+  for (int r = 0; r < kC; ++r) {
+    unsigned seen = 0;
+    for (int v = 0; v < kUT; ++v) {
+      const int i = u_index(r, v) - r * kUT;
+      if (i < 0 || i >= kUT || (seen >> i & 1u)) return false;
+      seen |= 1u << i;
+    }
+  }
+  return true;
+}
+static_assert(u_index_is_row_permutation(), "u_index must permute the 32 columns of each row");
+
+// Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
+template <class T>
+__device__ __forceinline__ void split2(float x, T& hi, T& lo) {
+  hi = T(x);
+  lo = T(x - float(hi));
+}
+
+// Shared-memory layouts (GMMA canonical, 128-byte swizzle). A [token][d] tile with d contiguous
+// is the same bytes as a K-major (token, d) tile and as an MN-major (d, token) tile when the
+// MN atoms are tiled token-first (Step<_2,_1>); K and kg use both views.
+template <class T>
+struct Lay {
+  using KAtom = GMMA::Layout_K_SW128_Atom<T>;
+  using MNAtom = GMMA::Layout_MN_SW128_Atom<T>;
+  using TokD_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _128>{}));                    // (tok, d)
+  using DTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _64>{}, Step<_2, _1>{}));  // (d, tok)
+  using TokTok_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _64>{}));                   // (i, j)
+};
+// Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
+// must not be wider than the tile).
+template <class T, int VT>
+struct RecLay {
+  using MNAtom = std::conditional_t<VT == 64, GMMA::Layout_MN_SW128_Atom<T>, GMMA::Layout_MN_SW64_Atom<T>>;
+  using VD_MN = decltype(tile_to_shape(MNAtom{}, Shape<Int<VT>, _128>{}));  // (v, d) state
+  using VTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<Int<VT>, _64>{}));  // (v, tok)
+};
+
+// ---------------------------------------------------------------------------------------------
+// Small PTX helpers (mbarrier + bulk copy + proxy fence + named barrier).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+// 4-d tiled TMA load (128-byte swizzle is encoded in the tensor map), completing on bar.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];" ::
+          "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// 16-byte shared load (a broadcast here). Written out because the compiler otherwise splits
+// the substitution's row reads into four scalar LDS, four times the shared-memory instructions.
+__device__ __forceinline__ float4 lds128(uint32_t addr) {
+  float4 r;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(addr));
+  return r;
+}
+// Generic-proxy smem writes must be made visible to wgmma (async proxy) before the barrier.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Barrier 1 among the 128 math threads only (the producer warp never joins it).
+__device__ __forceinline__ void math_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+__device__ __forceinline__ float load_f(const void* p, int dt, int64_t i) {
+  if (dt == static_cast<int>(DType::kFloat32)) return static_cast<const float*>(p)[i];
+  if (dt == static_cast<int>(DType::kBFloat16))
+    return float(static_cast<const cutlass::bfloat16_t*>(p)[i]);
+  return float(static_cast<const cutlass::half_t*>(p)[i]);
+}
+
+// Sequences: varlen (cu_seqlens on device, B == 1) or B rows of length T.
+struct SeqDesc {
+  const void* cu = nullptr;
+  int cu64 = 0;
+  int64_t T = 0;
+};
+__device__ __forceinline__ int64_t cu_at(const SeqDesc& s, int64_t n) {
+  return s.cu64 ? static_cast<const int64_t*>(s.cu)[n] : static_cast<const int32_t*>(s.cu)[n];
+}
+// b: batch row, t0: first token (within row b), len: tokens.
+__device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t& b, int64_t& t0, int64_t& len) {
+  if (s.cu) {
+    b = 0;
+    t0 = cu_at(s, n);
+    len = cu_at(s, n + 1) - t0;
+  } else {
+    b = n;
+    t0 = 0;
+    len = s.T;
+  }
+}
+
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+template <class T>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+}
+// hi + lo split of a pair, each packed as two 16-bit values.
+template <class T>
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<T>(a, b);
+  const float2 h = unpack2<T>(hi);
+  lo = pack2<T>(a - h.x, b - h.y);
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+// Bulk copy shared -> global (async proxy), completion tracked by bulk groups.
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until the issued bulk stores have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x on the special-function unit (relative error ~2^-22; flushes results below 2^-126 to 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+
+// Barrier among the 128 threads of one prep warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void wg_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla

@@ -1,0 +1,465 @@
+// sm90 forward kernels 1 and 2: the chunk table (device offsets, cu_seqlens check) and the
+// chunk-parallel prep (persistent, two warpgroups per CTA). See README.md in this folder.
+#pragma once
+
+#include "common.cuh"
+
+namespace qla {
+namespace sm90 {
+// Anonymous: these headers are included by gdn_fwd_sm90.cu alone (internal linkage).
+namespace {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// 1. Chunk table: off[n] = sum_{m<n} ceil(len_m / 64), off[N] = total chunks. One block.
+//    Also clears the ready flags of the overlapped mode.
+// ---------------------------------------------------------------------------------------------
+// off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
+// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written)
+// and the recurrence fills o and the final state with NaN instead (see fill_nan_outputs).
+__global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready) {
+  for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
+  __shared__ int warp_sum[32];
+  __shared__ int carry;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) carry = 0;
+  int bad = 0;
+  if (sd.cu) {
+    for (int n = tid; n < N; n += 1024) bad |= cu_at(sd, n + 1) < cu_at(sd, n);
+    if (tid == 0) bad |= cu_at(sd, 0) != 0 || cu_at(sd, N) != sd.T;
+  }
+  if (__syncthreads_or(bad)) {
+    for (int n = tid; n <= N; n += 1024) off[n] = 0;
+    if (tid == 0) off[N + 1] = 1;
+    return;
+  }
+  if (tid == 0) off[N + 1] = 0;
+  for (int base = 0; base < N; base += 1024) {
+    const int n = base + tid;
+    int cnt = 0;
+    if (n < N) {
+      int64_t b, t0, len;
+      seq_bounds(sd, n, b, t0, len);
+      cnt = static_cast<int>((len + kC - 1) / kC);
+    }
+    int x = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sum[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = warp_sum[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sum[lane] = w;  // inclusive over warps
+    }
+    __syncthreads();
+    const int incl = x + (warp > 0 ? warp_sum[warp - 1] : 0) + carry;
+    if (n < N) off[n + 1] = incl;
+    __syncthreads();
+    if (tid == 1023) carry = incl;
+    __syncthreads();
+  }
+  if (tid == 0) off[0] = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prep parameters and shared-memory plan.
+// ---------------------------------------------------------------------------------------------
+struct PrepParams {
+  CUtensorMap tmq, tmk, tmv;  // q, k, v as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
+  const void *g, *beta;
+  int64_t sg[2], sb[2];
+  int g_dt, b_dt;
+  SeqDesc sd;
+  int N, H, HV;
+  const int* chunk_off;
+  void* regions;  // kRegionBytes per (chunk, value head)
+  int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
+  float scale;
+};
+
+// Shared memory of one gdn_prep warpgroup (byte offsets from the 1 KiB aligned base). Buffers are reused once
+// their contents are dead; the phases are separated by CTA barriers.
+//   Q tile (TMA)   -> A hi|lo staging (bulk-stored) -> Tu = Tm diag(beta) hi|lo images
+//   K tile (TMA)   -> w_hi staging
+//   V tile (TMA)   \_ u fp32 staging (32 KiB, after the last wgmma)
+//   L fp32 [64][kLd] -> Tw = Tm diag(beta e^gamma) hi|lo images
+//   Tm fp32 [64][kLd], per-warp 16 x 16 product scratch, gamma, beta, the TMA mbarrier.
+constexpr int kLd = 68;  // fp32 row pitch of L and Tm (16-byte rows; 4-bank stagger between rows)
+constexpr int kPd = 20;  // fp32 row pitch of the per-warp scratch
+constexpr uint32_t kPrepQ = 0, kPrepK = 16384, kPrepV = 32768, kPrepL = 49152;
+constexpr uint32_t kPrepT = kPrepL + kC * kLd * 4;
+constexpr uint32_t kPrepP = kPrepT + kC * kLd * 4;
+constexpr uint32_t kPrepMisc = kPrepP + 4 * 16 * kPd * 4;
+constexpr uint32_t kPrepWGBytes = (kPrepMisc + 3 * kC * 4 + 16 + 1023) & ~1023u;  // one warpgroup's slice
+constexpr size_t kPrepSmem = 1024 + 2 * size_t(kPrepWGBytes);                      // two warpgroups per CTA
+static_assert(kPrepSmem <= 232448, "prep smem over the 227 KiB limit");
+static_assert(kPrepV + 32768 <= kPrepT, "u staging overlaps Tm");
+static_assert(kPrepL + 16384 <= kPrepT, "Tw images overlap Tm");
+
+// ---------------------------------------------------------------------------------------------
+// 2. Chunk-parallel prep, one warpgroup per (chunk, value head) region.
+//    TMA loads of Q, K, V -> wgmma K K^T, Q K^T -> L (fp32) and A (hi/lo image, bulk-stored)
+//    -> Tm = (I + L)^-1 blockwise on all four warps -> Tu, Tw images -> wgmma w = Tw K,
+//    u = Tu V -> w_hi image and u staged in shared memory and bulk-stored.
+// ---------------------------------------------------------------------------------------------
+// One region. sm: the warpgroup's shared-memory slice; tid: 0..127; bar: the slice's TMA
+// mbarrier (initialised), used once per region with parity `phase`.
+template <class T>
+__device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, int tid, int barid, uint64_t* bar,
+                                            uint32_t phase, int ci, int hv) {
+  using L = Lay<T>;
+  T* sQ = reinterpret_cast<T*>(sm + kPrepQ);
+  T* sK = reinterpret_cast<T*>(sm + kPrepK);
+  T* sV = reinterpret_cast<T*>(sm + kPrepV);
+  float* sL = reinterpret_cast<float*>(sm + kPrepL);
+  float* sT = reinterpret_cast<float*>(sm + kPrepT);
+  float* sGam = reinterpret_cast<float*>(sm + kPrepMisc);
+  float* sBeta = sGam + kC;
+  float* sBw = sBeta + kC;  // beta e^gamma (column scale of Tw)
+
+  const int warp = tid >> 5, lane = tid & 31;
+  // Largest n with off[n] <= ci (skips zero-length sequences).
+  int lo = 0, hi = p.N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.chunk_off[mid] <= ci) lo = mid; else hi = mid - 1;
+  }
+  const int n = lo;
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int64_t cstart = static_cast<int64_t>(ci - p.chunk_off[n]) * kC;  // within the sequence
+  t0 += cstart;
+  const int len = static_cast<int>(min<int64_t>(kC, slen - cstart));
+  const int hq = hv / (p.HV / p.H);
+
+  // Q, K, V tiles by TMA (two 64-column boxes each = the two K-blocks of the GMMA tile). Rows
+  // past the sequence end are the next sequence's tokens (zeros past the tensor end): finite,
+  // and their beta is 0 below, so they reach neither L, Tm, w nor u; their A rows are never used.
+  if (tid == 0) {
+    mbar_expect_tx(bar, 3 * kQKBytes);
+    const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      tma_load_4d(sm + kPrepQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, bar);
+      tma_load_4d(sm + kPrepK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, bar);
+      tma_load_4d(sm + kPrepV + h * kQKBytes / 2, &p.tmv, h * 64, hv, tok, bb, bar);
+    }
+  }
+
+  // gamma = inclusive cumsum of g over the valid tokens (padding: g = 0, beta = 0).
+  if (tid < kC) {
+    float gv = 0.f, bv = 0.f;
+    if (tid < len) {
+      const int64_t t = t0 + tid;
+      gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
+      bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, gv, o);
+      if (lane >= o) gv += y;
+    }
+    sGam[tid] = gv;
+    sBeta[tid] = bv;
+  }
+  wg_bar(barid);
+  if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
+  wg_bar(barid);
+  const float gam_last = sGam[len - 1];
+
+  uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kRegionBytes;
+  float* regf = reinterpret_cast<float*>(regb + kF32Off);
+  if (tid < kC) {  // row gates of the recurrence, fp32 (coalesced)
+    sBw[tid] = sBeta[tid] * expf(sGam[tid]);
+    regf[kFGq + tid] = p.scale * expf(sGam[tid]);
+    regf[kFGk + tid] = tid < len ? expf(gam_last - sGam[tid]) : 0.f;
+  } else if (tid == kC) {
+    regf[kFEG] = expf(gam_last);
+  }
+
+  Tensor tQ = make_tensor(make_smem_ptr(sQ), typename L::TokD_K{});
+  Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
+  Tensor tVmn = make_tensor(make_smem_ptr(sV), typename L::DTok_MN{});  // (v, tok)
+  mbar_wait(bar, phase);
+
+  // K K^T and Q K^T (64 x 64 x 128).
+  auto mma1 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto thr1 = mma1.get_thread_slice(tid);
+  Tensor rQa = thr1.partition_fragment_A(tQ);
+  Tensor rKa = thr1.partition_fragment_A(tK);
+  Tensor rKb = thr1.partition_fragment_B(tK);
+  Tensor accKK = partition_fragment_C(mma1, Shape<_64, _64>{});
+  Tensor accQK = partition_fragment_C(mma1, Shape<_64, _64>{});
+  warpgroup_fence_operand(accKK);
+  warpgroup_fence_operand(accQK);
+  warpgroup_arrive();
+  mma1.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb2 = 0; kb2 < size<2>(rKa); ++kb2) {
+    cute::gemm(mma1, rKa(_, _, kb2), rKb(_, _, kb2), accKK);
+    mma1.accumulate_ = GMMA::ScaleOut::One;
+  }
+  mma1.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb2 = 0; kb2 < size<2>(rQa); ++kb2) {
+    cute::gemm(mma1, rQa(_, _, kb2), rKb(_, _, kb2), accQK);
+    mma1.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accKK);
+  warpgroup_fence_operand(accQK);
+  wg_bar(barid);  // Q is dead: its bytes take the A image
+
+  // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j) to fp32 smem, and the causal gated score
+  // image A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j) as hi/lo into Q's bytes.
+  // Gates as differences (<= 0): no overflow. Elements i, i+1 are columns c, c+1 of one row.
+  {
+    T* sAh = sQ;
+    Tensor tAimg = make_tensor(make_smem_ptr(sAh), typename L::TokTok_K{});
+    Tensor cc1 = thr1.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(accKK); i += 2) {
+      const int r = get<0>(cc1(i)), c = get<1>(cc1(i));
+      const float gr = sGam[r], br = sBeta[r];
+      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+      // Branch-free: the exponent is clamped to <= 0 and the mask applied after.
+      const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
+      const float e0 = r >= c ? x0 : 0.f, e1 = r >= c + 1 ? x1 : 0.f;
+      *reinterpret_cast<float2*>(sL + r * kLd + c) =
+          make_float2(r > c ? br * e0 * accKK(i) : 0.f, r > c + 1 ? br * e1 * accKK(i + 1) : 0.f);
+      uint32_t ah, al;
+      split_pair<T>(p.scale * e0 * accQK(i), p.scale * e1 * accQK(i + 1), ah, al);
+      const int off = static_cast<int>(&tAimg(r, c) - sAh);
+      *reinterpret_cast<uint32_t*>(sAh + off) = ah;
+      *reinterpret_cast<uint32_t*>(sAh + kImgTokTok + off) = al;
+    }
+  }
+  fence_async_smem();
+  wg_bar(barid);
+  if (tid == 0) {
+    bulk_s2g(regb + kOffAh * sizeof(T), sQ, 2 * kImgTokTok * sizeof(T));
+    bulk_commit();
+  }
+
+  // Tm = (I + L)^-1 in 16 x 16 blocks. Phase 1: warp w inverts its diagonal block
+  // D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts).
+  {
+    const int w = warp, c = lane & 15;
+    float x[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      const uint32_t Lr = smem_u32(sL + (16 * w + i) * kLd + 16 * w);
+      CUTE_UNROLL
+      for (int j4 = 0; j4 < i / 4; ++j4) {
+        const float4 l = lds128(Lr + 16 * j4);
+        a0 -= l.x * x[4 * j4 + 0];
+        a1 -= l.y * x[4 * j4 + 1];
+        a2 -= l.z * x[4 * j4 + 2];
+        a3 -= l.w * x[4 * j4 + 3];
+      }
+      CUTE_UNROLL
+      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[(16 * w + i) * kLd + 16 * w + j] * x[j];
+      x[i] = (a0 + a1) + (a2 + a3);
+    }
+    if (lane < 16) {
+      CUTE_UNROLL
+      for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
+    }
+  }
+  wg_bar(barid);
+  // Phase 2: warp w walks down its block column: Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw.
+  // Lane: row r of the block, columns hc .. hc+7. Only __syncwarp inside (the column is the
+  // warp's own; the diagonal inverses come from phase 1).
+  {
+    const int w = warp, r = lane >> 1, hc = (lane & 1) * 8;
+    float* sP = reinterpret_cast<float*>(sm + kPrepP) + w * 16 * kPd;
+    for (int a = w + 1; a < 4; ++a) {
+      float acc[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      for (int m = w; m < a; ++m) {
+        const uint32_t Lr = smem_u32(sL + (16 * a + r) * kLd + 16 * m);
+        const uint32_t Tc = smem_u32(sT + (16 * m) * kLd + 16 * w + hc);
+        CUTE_UNROLL
+        for (int k4 = 0; k4 < 4; ++k4) {
+          const float4 l = lds128(Lr + 16 * k4);
+          const float lk[4] = {l.x, l.y, l.z, l.w};
+          CUTE_UNROLL
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t row = Tc + (4 * k4 + kk) * kLd * 4;
+            const float4 t0 = lds128(row), t1 = lds128(row + 16);
+            acc[0] += lk[kk] * t0.x; acc[1] += lk[kk] * t0.y; acc[2] += lk[kk] * t0.z; acc[3] += lk[kk] * t0.w;
+            acc[4] += lk[kk] * t1.x; acc[5] += lk[kk] * t1.y; acc[6] += lk[kk] * t1.z; acc[7] += lk[kk] * t1.w;
+          }
+        }
+      }
+      const uint32_t Pw = smem_u32(sP + r * kPd + hc);
+      sts128f(Pw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Pw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      const uint32_t Dr = smem_u32(sT + (16 * a + r) * kLd + 16 * a);
+      const uint32_t Pc = smem_u32(sP + hc);
+      CUTE_UNROLL
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const float4 d = lds128(Dr + 16 * k4);
+        const float dk[4] = {d.x, d.y, d.z, d.w};
+        CUTE_UNROLL
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t row = Pc + (4 * k4 + kk) * kPd * 4;
+          const float4 t0 = lds128(row), t1 = lds128(row + 16);
+          acc[0] -= dk[kk] * t0.x; acc[1] -= dk[kk] * t0.y; acc[2] -= dk[kk] * t0.z; acc[3] -= dk[kk] * t0.w;
+          acc[4] -= dk[kk] * t1.x; acc[5] -= dk[kk] * t1.y; acc[6] -= dk[kk] * t1.z; acc[7] -= dk[kk] * t1.w;
+        }
+      }
+      const uint32_t Tw = smem_u32(sT + (16 * a + r) * kLd + 16 * w + hc);
+      sts128f(Tw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Tw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
+    }
+  }
+  if (tid == 0) bulk_wait_read();  // the A image has left Q's bytes: they take the Tu images
+  wg_bar(barid);
+
+  // Images of Tu = Tm diag(beta) (into Q's bytes) and Tw = Tm diag(beta e^gamma) (into L's
+  // bytes), hi/lo, K-major (i, j). Each thread: 4 runs of 8 columns; blocks above the diagonal
+  // are zero (Tm is lower triangular; the diagonal blocks hold exact zeros above the diagonal).
+  T* sTuh = sQ;
+  T* sTwh = reinterpret_cast<T*>(sm + kPrepL);
+  {
+    Tensor tImg = make_tensor(make_smem_ptr(sTuh), typename L::TokTok_K{});  // offsets only
+    CUTE_UNROLL
+    for (int it = 0; it < 4; ++it) {
+      const int q = tid + 128 * it, i = q >> 3, j8 = (q & 7) * 8;
+      float t[8];
+      if ((i >> 4) >= (j8 >> 4)) {
+        const float4 t0 = lds128(smem_u32(sT + i * kLd + j8)), t1 = lds128(smem_u32(sT + i * kLd + j8 + 4));
+        t[0] = t0.x; t[1] = t0.y; t[2] = t0.z; t[3] = t0.w; t[4] = t1.x; t[5] = t1.y; t[6] = t1.z; t[7] = t1.w;
+      } else {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) t[e] = 0.f;
+      }
+      uint4 uh, ul, wh, wl;
+      uint32_t* puh = &uh.x; uint32_t* pul = &ul.x; uint32_t* pwh = &wh.x; uint32_t* pwl = &wl.x;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; e += 2) {
+        const float b0 = sBeta[j8 + e], b1 = sBeta[j8 + e + 1];
+        const float w0 = sBw[j8 + e], w1 = sBw[j8 + e + 1];
+        split_pair<T>(t[e] * b0, t[e + 1] * b1, puh[e / 2], pul[e / 2]);
+        split_pair<T>(t[e] * w0, t[e + 1] * w1, pwh[e / 2], pwl[e / 2]);
+      }
+      const int off = static_cast<int>(&tImg(i, j8) - sTuh);
+      sts128(smem_u32(sTuh + off), uh);
+      sts128(smem_u32(sTuh + kImgTokTok + off), ul);
+      sts128(smem_u32(sTwh + off), wh);
+      sts128(smem_u32(sTwh + kImgTokTok + off), wl);
+    }
+  }
+  fence_async_smem();
+  wg_bar(barid);
+
+  // w = Tw K, u = Tu V (64 x 128 x 64), Tm as hi + lo.
+  auto mma2 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto thr2 = mma2.get_thread_slice(tid);
+  Tensor rAwh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTwh), typename L::TokTok_K{}));
+  Tensor rAwl = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTwh + kImgTokTok), typename L::TokTok_K{}));
+  Tensor rAuh = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTuh), typename L::TokTok_K{}));
+  Tensor rAul = thr2.partition_fragment_A(make_tensor(make_smem_ptr(sTuh + kImgTokTok), typename L::TokTok_K{}));
+  Tensor rKb2 = thr2.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
+  Tensor rVb2 = thr2.partition_fragment_B(tVmn);
+  Tensor accW = partition_fragment_C(mma2, Shape<_64, _128>{});
+  Tensor accU = partition_fragment_C(mma2, Shape<_64, _128>{});
+  warpgroup_fence_operand(accW);
+  warpgroup_fence_operand(accU);
+  warpgroup_arrive();
+  mma2.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rAwh); ++k) {
+    cute::gemm(mma2, rAwh(_, _, k), rKb2(_, _, k), accW);
+    mma2.accumulate_ = GMMA::ScaleOut::One;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rAwl); ++k) cute::gemm(mma2, rAwl(_, _, k), rKb2(_, _, k), accW);
+  mma2.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rAuh); ++k) {
+    cute::gemm(mma2, rAuh(_, _, k), rVb2(_, _, k), accU);
+    mma2.accumulate_ = GMMA::ScaleOut::One;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rAul); ++k) cute::gemm(mma2, rAul(_, _, k), rVb2(_, _, k), accU);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accW);
+  warpgroup_fence_operand(accU);
+  wg_bar(barid);  // K, V and the images are dead: w and u are staged in their bytes
+
+  // w_hi as a 16-bit (tok, d) K-major image (K's bytes); u fp32 [V/32][tok][32] (V's and L's
+  // bytes). Padding rows -> 0. Accumulator elements 2i, 2i+1 are columns c, c+1 of one row.
+  float* sU = reinterpret_cast<float*>(sm + kPrepV);
+  Tensor cc2 = thr2.partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size(accW); i += 2) {
+    const int r = get<0>(cc2(i)), c = get<1>(cc2(i));
+    const bool ok = r < len;
+    const int off = static_cast<int>(&tK(r, c) - sK);
+    *reinterpret_cast<uint32_t*>(sK + off) = pack2<T>(ok ? accW(i) : 0.f, ok ? accW(i + 1) : 0.f);
+    *reinterpret_cast<float2*>(sU + (c / kUT) * (kC * kUT) + u_index(r, c % kUT)) =
+        make_float2(ok ? accU(i) : 0.f, ok ? accU(i + 1) : 0.f);
+  }
+  fence_async_smem();
+  wg_bar(barid);
+  if (tid == 0) {
+    bulk_s2g(regb + kOffWh * sizeof(T), sK, kImgTokD * sizeof(T));
+    bulk_s2g(regb + kF32Off + kFU * 4, sU, kC * kDV * 4);
+    bulk_commit();
+    if (p.ready) {  // overlapped mode: the region must be complete in global memory, then flagged
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      st_release(p.ready + static_cast<size_t>(ci) * p.HV + hv, 1);
+    } else {
+      bulk_wait_read();  // the next region's TMA loads overwrite these bytes
+    }
+  }
+}
+
+// Persistent: each CTA runs two independent warpgroups (own shared-memory slice, named barrier
+// and TMA mbarrier), and each warpgroup walks the regions chunk-major (all heads of chunk 0
+// first), so an overlapped recurrence finds its early chunks ready first.
+template <class T>
+__global__ void __launch_bounds__(256, 1) gdn_prep(const __grid_constant__ PrepParams p) {
+  // Let a programmatically dependent recurrence launch now (overlapped mode; see launch()).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* sm = base + wg * kPrepWGBytes;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kPrepMisc + 3 * kC * 4);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  wg_bar(1 + wg);
+  const int nreg = p.chunk_off[p.N] * p.HV;
+  uint32_t phase = 0;
+  for (int r = blockIdx.x * 2 + wg; r < nreg; r += gridDim.x * 2, phase ^= 1)
+    prep_region<T>(p, sm, tid, 1 + wg, bar, phase, r / p.HV, r % p.HV);
+}
+
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla

@@ -1,0 +1,610 @@
+// sm90 forward kernel 3: the recurrence over chunks, V tile 64 (one math warpgroup) and V tile 32
+// (warp-specialized: state and output warpgroups). See README.md in this folder.
+#pragma once
+
+#include "common.cuh"
+
+namespace qla {
+namespace sm90 {
+// Anonymous: these headers are included by gdn_fwd_sm90.cu alone (internal linkage).
+namespace {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// 3. Recurrence. One CTA per (sequence, value head, V tile): warps 0-3 = math warpgroup,
+//    warp 4 = producer (bulk copies of the chunk's 32 KiB image, its u tile and gates, and TMA
+//    loads of its Q and K tiles, into a 2-stage mbarrier ring). The math loop reads only shared
+//    memory and registers.
+// ---------------------------------------------------------------------------------------------
+// Precision bits: which hi/lo correction products the recurrence adds (the hi*hi product is
+// always there). Every operand that is not an exact input is rounded to 16 bits otherwise.
+// (Bit 1, w_lo S_hi, was dropped with the w_lo image; it is why bits 30 is "all".)
+enum : int {
+  kPrecSlo = 2,   // w_hi S_lo and Q S_lo
+  kPrecAlo = 4,   // A_lo U_hi
+  kPrecUlo = 8,   // A_hi U_lo
+  kPrecXlo = 16,  // K^T X_lo
+  kPrecAll = 30,
+};
+constexpr int kPrecDefault = kPrecAll;
+
+struct RecParams {
+  CUtensorMap tmq, tmk;  // q, k as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
+  SeqDesc sd;
+  const int* chunk_off;
+  const void* regions;
+  const float* h0;
+  int64_t sh0[3];
+  float* hT;
+  int64_t shT[3];
+  int vk;  // StateLayout::kVK
+  void* o;
+  int64_t so[3];
+  int N, H, HV;
+  int prec;      // kPrec* bits
+  const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
+};
+
+constexpr int kStages = 2;
+// Stage: 16-bit image | Q | K | u tile (fp32, 64 x 64) | gates (528 B, padded to 1 KiB: keeps the
+// next stage 1024-byte aligned for the 128-byte swizzle; the mbarriers live in stage 0's padding).
+template <int VT>
+struct RecCfg {
+  static constexpr uint32_t kUBytes = kC * VT * 4;  // u of the CTA's V tile
+  static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStU = kStK + kQKBytes, kStG = kStU + kUBytes;
+  static constexpr uint32_t kStageBytes = kStG + 1024;
+  static constexpr uint32_t kBarOff = kStG + 768;
+  static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kUBytes + kGateBytes;
+  // S hi/lo (2 x 128 x VT) and U, X hi/lo (4 x 64 x VT) share one buffer (see below).
+  static constexpr size_t kSmem = 1024 + kStages * size_t(kStageBytes) + 2 * kDK * VT * 2;
+  static_assert(kSmem <= 232448, "recurrence smem over the 227 KiB limit");
+};
+// One 32 KiB buffer holds S hi/lo during batch 1 and U hi/lo, X hi/lo during batch 2: their
+// lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
+static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
+
+// Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
+// every element of o and of the final state becomes NaN (grid-stride over the whole grid).
+template <class T>
+__device__ void fill_nan_outputs(const RecParams& p) {
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t first = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t HV = p.HV, no = p.sd.T * HV * kDV;  // varlen: B == 1
+  T* o = static_cast<T*>(p.o);
+  for (int64_t i = first; i < no; i += nthreads) {
+    const int64_t v = i % kDV, h = (i / kDV) % HV, t = i / (kDV * HV);
+    o[t * p.so[1] + h * p.so[2] + v] = T(__int_as_float(0x7fc00000));
+  }
+  if (p.hT) {
+    const int64_t nh = static_cast<int64_t>(p.N) * HV * kDK * kDV;
+    for (int64_t i = first; i < nh; i += nthreads) {
+      const int64_t j = i % (kDK * kDV), h = (i / (kDK * kDV)) % HV, n = i / (kDK * kDV * HV);
+      p.hT[n * p.shT[0] + h * p.shT[1] + (j / kDV) * p.shT[2] + j % kDV] = __int_as_float(0x7fc00000);
+    }
+  }
+}
+
+// Producer loop (one thread): for each chunk of the sequence, wait for a free stage, then the
+// bulk copy of the chunk's 16-bit image, TMA loads of its Q and K tiles straight from q and k,
+// and bulk copies of the CTA's u tile and the gates, all completing on the stage's `full`.
+template <int VT>
+__device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, uint64_t* full, uint64_t* empty,
+                                               int n, int hv, int vt, int64_t b, int64_t t0, int nch, int ci0) {
+  using Cfg = RecCfg<VT>;
+  const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
+  const int hq = hv / (p.HV / p.H);
+  for (int c = 0; c < nch; ++c) {
+    const int st = c % kStages;
+    const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kRegionBytes;
+    uint8_t* dst = sm + st * Cfg::kStageBytes;
+    // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
+    // finite, and harmless (their O rows are not stored, their X rows are zero).
+    const int tok = static_cast<int>(t0) + c * kC;
+    mbar_wait(&empty[st], ((c / kStages) & 1) ^ 1);
+    if (p.ready) {  // overlapped mode: the region is written by a concurrently running prep
+      const int* f = p.ready + static_cast<size_t>(ci0 + c) * p.HV + hv;
+      while (ld_acquire(f) == 0) __nanosleep(200);
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
+    }
+    mbar_expect_tx(&full[st], Cfg::kStageTx);
+    bulk_g2s(dst, src, kImgBytes, &full[st]);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {  // two 64-column boxes = the two K-blocks of the GMMA tile
+      tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+      tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+    }
+    // u tiles [V/32][tok][32] of this V tile are consecutive: one copy.
+    bulk_g2s(dst + Cfg::kStU, src + kF32Off + size_t(vt) * Cfg::kUBytes, Cfg::kUBytes, &full[st]);
+    bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
+  }
+}
+
+template <class T, int VT>
+__global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecParams p) {
+  using L = Lay<T>;
+  using RL = RecLay<T, VT>;
+  using Cfg = RecCfg<VT>;
+  constexpr uint32_t kStageBytes = Cfg::kStageBytes;
+  extern __shared__ uint8_t smem_raw[];
+  // 1 KiB aligned (128-byte swizzle atoms), as an offset from smem_raw so that the compiler keeps
+  // the shared state space (LDS/STS, 32-bit addresses) and knows the alignment (vector accesses).
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  T* sSh = reinterpret_cast<T*>(sm + kStages * kStageBytes);  // state hi/lo (v, d)
+  T* sSl = sSh + kDK * VT;
+  T* sUh = sSh;              // U hi/lo (v, tok), same bytes as the state images
+  T* sUl = sUh + kC * VT;
+  T* sXh = sUl + kC * VT;   // diag(e^(Gamma-gamma)) U hi/lo (v, tok)
+  T* sXl = sXh + kC * VT;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
+  uint64_t* empty = full + kStages;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
+  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
+#ifdef QLA_SM90_TEST_HOOKS
+  const int prec = p.prec;
+#else
+  const int prec = kPrecDefault;  // compile-time: no branches around the wgmma batches
+#endif
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int nch = static_cast<int>((slen + kC - 1) / kC);
+  const int ci0 = p.chunk_off[n];
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
+    fill_nan_outputs<T>(p);
+    return;
+  }
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 4) {  // producer
+    if ((tid & 31) == 0) produce_chunks<VT>(p, sm, full, empty, n, hv, vt, b, t0, nch, ci0);
+    return;
+  }
+
+  // ---- math warpgroup ----
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto thrU = mmaU.get_thread_slice(tid);
+  auto thrS = mmaS.get_thread_slice(tid);
+  Tensor tSh = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});    // (v, d)
+  Tensor tUh = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok)
+  Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});      // (d, v) fp32 state
+  Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+  Tensor accO = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
+  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
+  Tensor rSh = thrU.partition_fragment_B(tSh);
+  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
+  Tensor rUh = thrU.partition_fragment_B(tUh);
+  Tensor rUl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
+  Tensor rXh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXh), typename RL::VTok_MN{}));
+  Tensor rXl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXl), typename RL::VTok_MN{}));
+
+  // State tile -> hi/lo 16-bit copies. Elements 2i, 2i+1 are columns v, v+1 (adjacent in the
+  // MN-major (v, .) layouts), so they are written as one 4-byte pair; hi/lo share offsets.
+  auto store_state = [&]() {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); i += 2) {
+      __align__(4) T h[2], l[2];
+      split2(accS(i), h[0], l[0]);
+      split2(accS(i + 1), h[1], l[1]);
+      const int off = static_cast<int>(&tSh(get<1>(cS(i)), get<0>(cS(i))) - sSh);
+      *reinterpret_cast<uint32_t*>(sSh + off) = *reinterpret_cast<uint32_t*>(h);
+      *reinterpret_cast<uint32_t*>(sSl + off) = *reinterpret_cast<uint32_t*>(l);
+    }
+    fence_async_smem();
+    math_bar();
+  };
+
+  const int v0 = vt * VT;
+  const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) {
+    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+    accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+  }
+  store_state();
+
+  T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
+  for (int c = 0; c < nch; ++c) {
+    const int st = c % kStages;
+    uint8_t* stb = sm + st * kStageBytes;
+    T* base = reinterpret_cast<T*>(stb);
+    const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
+    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
+    mbar_wait(&full[st], (c / kStages) & 1);
+    T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
+    T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
+    Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::TokD_K{}));
+    Tensor rQ = thrU.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename L::TokD_K{}));
+    Tensor rAh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_K{}));
+    Tensor rAl = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_K{}));
+    Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
+
+    // Batch 1: accU = w S (w_hi S_hi [+ w_hi S_lo]), accO = Q S_hi [+ Q S_lo].
+    warpgroup_fence_operand(accU);
+    warpgroup_fence_operand(accO);
+    warpgroup_arrive();
+    mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rWh); ++k) {
+      cute::gemm(mmaU, rWh(_, _, k), rSh(_, _, k), accU);
+      mmaU.accumulate_ = GMMA::ScaleOut::One;
+    }
+    if (prec & kPrecSlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
+    }
+    mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rQ); ++k) {
+      cute::gemm(mmaU, rQ(_, _, k), rSh(_, _, k), accO);
+      mmaU.accumulate_ = GMMA::ScaleOut::One;
+    }
+    if (prec & kPrecSlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accO);
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accU);
+    warpgroup_fence_operand(accO);
+    math_bar();  // every warp is done reading S hi/lo: U, X overwrite those bytes
+
+    // U = u - w S (fp32), stored as hi/lo and gated hi/lo; O rows scaled by scale e^gamma.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accU); i += 2) {
+      const int r = get<0>(cU(i)), v = get<1>(cU(i));
+      const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + u_index(r, v % kUT));
+      const float gq = sG[r], gk = sG[kC + r];
+      const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
+      __align__(4) T uh[2], ul[2], xh[2], xl[2];
+      split2(x0, uh[0], ul[0]);
+      split2(x1, uh[1], ul[1]);
+      split2(gk * x0, xh[0], xl[0]);
+      split2(gk * x1, xh[1], xl[1]);
+      const int off = static_cast<int>(&tUh(v, r) - sUh);
+      *reinterpret_cast<uint32_t*>(sUh + off) = *reinterpret_cast<uint32_t*>(uh);
+      *reinterpret_cast<uint32_t*>(sUl + off) = *reinterpret_cast<uint32_t*>(ul);
+      *reinterpret_cast<uint32_t*>(sXh + off) = *reinterpret_cast<uint32_t*>(xh);
+      *reinterpret_cast<uint32_t*>(sXl + off) = *reinterpret_cast<uint32_t*>(xl);
+      accO(i) *= gq;
+      accO(i + 1) *= gq;
+    }
+    const float eG = sG[2 * kC];
+    fence_async_smem();
+    math_bar();
+
+    // Batch 2: O += A U (A_hi U_hi [+ A_hi U_lo] [+ A_lo U_hi]); S = e^Gamma S + K^T X (X_hi [+ X_lo]).
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
+    warpgroup_fence_operand(accO);
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    mmaU.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUh(_, _, k), accO);
+    if (prec & kPrecUlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accO);
+    }
+    if (prec & kPrecAlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accO);
+    }
+    mmaS.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXh(_, _, k), accS);
+    if (prec & kPrecXlo) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accO);
+    warpgroup_fence_operand(accS);
+    mbar_arrive(&empty[st]);  // stage fully consumed (all wgmma reading it are done)
+    math_bar();               // every warp is done reading U, X: the state images overwrite them
+
+    // O (rows past the sequence end are not written: they belong to the next sequence).
+    const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+    CUTE_UNROLL
+    for (int i = 0; i < size(accO); i += 2) {
+      const int r = get<0>(cU(i)), v = get<1>(cU(i));
+      if (r < rows) {
+        __align__(4) T pr[2] = {T(accO(i)), T(accO(i + 1))};
+        *reinterpret_cast<uint32_t*>(ob + (t0 + static_cast<int64_t>(c) * kC + r) * p.so[1] + v) =
+            *reinterpret_cast<uint32_t*>(pr);
+      }
+    }
+    // New state copies for the next chunk.
+    store_state();
+  }
+
+  if (p.hT) {
+    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+      p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3b. Warp-specialized recurrence (V tile 32): the state chain and the output run on two math
+//     warpgroups, so the products that only feed O (Q S, A U) leave the sequential path.
+//     warps 0-3 (state WG):  U = u - w S, X = diag(e^(Gamma-gamma)) U, S = e^Gamma S + K^T X
+//     warps 4-7 (output WG): O = diag(scale e^gamma) Q S + A U, stored to o
+//     warp 8 (producer):     as in gdn_recur.
+//   S_c (the state entering chunk c) and U_c live in double buffers (parity c % 2). The state WG
+//   arrives on `uready[c%2]` once S_c and U_c are written; the output WG arrives on `ofree[c%2]`
+//   once its products have read them. Before writing S_{c+1} (parity of c-1) the state WG waits
+//   for `ofree` of chunk c-1, which also frees U's buffer for chunk c+1.
+// ---------------------------------------------------------------------------------------------
+constexpr int kWsVT = 32;
+struct RecWsCfg {
+  using Base = RecCfg<kWsVT>;
+  static constexpr uint32_t kSBytes = 2 * kDK * kWsVT * 2;  // S hi/lo (16-bit)
+  static constexpr uint32_t kUBytes = 2 * kC * kWsVT * 2;   // U or X hi/lo
+  static constexpr uint32_t kOffS = kStages * Base::kStageBytes;       // 2 S buffers
+  static constexpr uint32_t kOffU = kOffS + 2 * kSBytes;               // 2 U buffers
+  static constexpr uint32_t kOffX = kOffU + 2 * kUBytes;               // 1 X buffer
+  static constexpr uint32_t kOffBar = kOffX + kUBytes;                 // uready[2], ofree[2]
+  static constexpr size_t kSmem = 1024 + kOffBar + 64;
+  static_assert(kSmem <= 232448, "warp-specialized recurrence smem over the 227 KiB limit");
+};
+
+template <class T>
+__global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ RecParams p) {
+  constexpr int VT = kWsVT;
+  using L = Lay<T>;
+  using RL = RecLay<T, VT>;
+  using Cfg = RecCfg<VT>;
+  using W = RecWsCfg;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
+  uint64_t* empty = full + kStages;
+  uint64_t* uready = reinterpret_cast<uint64_t*>(sm + W::kOffBar);
+  uint64_t* ofree = uready + 2;
+  auto sbuf = [&](int par) { return reinterpret_cast<T*>(sm + W::kOffS + par * W::kSBytes); };  // hi | lo
+  auto ubuf = [&](int par) { return reinterpret_cast<T*>(sm + W::kOffU + par * W::kUBytes); };  // hi | lo
+  T* sXh = reinterpret_cast<T*>(sm + W::kOffX);
+  T* sXl = sXh + kC * VT;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
+  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int nch = static_cast<int>((slen + kC - 1) / kC);
+  const int ci0 = p.chunk_off[n];
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
+    fill_nan_outputs<T>(p);
+    return;
+  }
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);  // both math warpgroups release a stage
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&uready[s], 128);
+      mbar_init(&ofree[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 8) {  // producer
+    if ((tid & 31) == 0) produce_chunks<VT>(p, sm, full, empty, n, hv, vt, b, t0, nch, ci0);
+    return;
+  }
+
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  const int wt = tid & 127;  // thread index within its warpgroup
+  auto thrU = mmaU.get_thread_slice(wt);
+  auto thrS = mmaS.get_thread_slice(wt);
+  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
+  const int v0 = vt * VT;
+
+  if (warp < 4) {
+    // ---------------- state warpgroup ----------------
+    Tensor tS0 = make_tensor(make_smem_ptr(sbuf(0)), typename RL::VD_MN{});  // (v, d), offsets
+    Tensor tU0 = make_tensor(make_smem_ptr(ubuf(0)), typename RL::VTok_MN{});  // (v, tok), offsets
+    Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});  // (d, v) fp32 state
+    Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+    Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
+    Tensor rXh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXh), typename RL::VTok_MN{}));
+    Tensor rXl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXl), typename RL::VTok_MN{}));
+
+    // S -> hi/lo copies in buffer `par` (pairs of adjacent v columns as 4-byte stores).
+    auto store_state = [&](int par) {
+      T* sh = sbuf(par);
+      T* sl = sh + kDK * VT;
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); i += 2) {
+        uint32_t h, l;
+        split_pair<T>(accS(i), accS(i + 1), h, l);
+        const int off = static_cast<int>(&tS0(get<1>(cS(i)), get<0>(cS(i))) - sbuf(0));
+        *reinterpret_cast<uint32_t*>(sh + off) = h;
+        *reinterpret_cast<uint32_t*>(sl + off) = l;
+      }
+      fence_async_smem();
+      math_bar();
+    };
+
+    const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+      accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+    }
+    store_state(0);
+
+    for (int c = 0; c < nch; ++c) {
+      const int st = c % kStages, par = c & 1;
+      uint8_t* stb = sm + st * Cfg::kStageBytes;
+      const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
+      const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
+      T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
+      mbar_wait(&full[st], (c / kStages) & 1);
+      Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
+      Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
+      Tensor rSh = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sbuf(par)), typename RL::VD_MN{}));
+      Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sbuf(par) + kDK * VT), typename RL::VD_MN{}));
+
+      // U' = w S (w_hi S_hi + w_hi S_lo).
+      warpgroup_fence_operand(accU);
+      warpgroup_arrive();
+      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWh); ++k) {
+        cute::gemm(mmaU, rWh(_, _, k), rSh(_, _, k), accU);
+        mmaU.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accU);
+
+      // U = u - w S -> U buffer (for the output WG), X = diag(e^(Gamma-gamma)) U -> X buffer.
+      T* uh = ubuf(par);
+      T* ul = uh + kC * VT;
+      CUTE_UNROLL
+      for (int i = 0; i < size(accU); i += 2) {
+        const int r = get<0>(cU(i)), v = get<1>(cU(i));
+        const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + u_index(r, v % kUT));
+        const float gk = sG[kC + r];
+        const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
+        uint32_t h, l;
+        const int off = static_cast<int>(&tU0(v, r) - ubuf(0));
+        split_pair<T>(x0, x1, h, l);
+        *reinterpret_cast<uint32_t*>(uh + off) = h;
+        *reinterpret_cast<uint32_t*>(ul + off) = l;
+        split_pair<T>(gk * x0, gk * x1, h, l);
+        *reinterpret_cast<uint32_t*>(sXh + off) = h;
+        *reinterpret_cast<uint32_t*>(sXl + off) = l;
+      }
+      const float eG = sG[2 * kC];
+      fence_async_smem();
+      mbar_arrive(&uready[par]);  // S_c and U_c are readable by the output WG
+      math_bar();                 // X is complete
+
+      // S = e^Gamma S + K^T X (X_hi + X_lo).
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
+      warpgroup_fence_operand(accS);
+      warpgroup_arrive();
+      mmaS.accumulate_ = GMMA::ScaleOut::One;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXh(_, _, k), accS);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      mbar_arrive(&empty[st]);  // w, K, u and the gates of this stage are consumed
+
+      // S_{c+1} goes to the other parity, last read by the output WG for chunk c-1.
+      if (c >= 1) mbar_wait(&ofree[par ^ 1], ((c - 1) >> 1) & 1);
+      store_state(par ^ 1);  // its barrier also ends every warp's reads of X
+    }
+
+    if (p.hT) {
+      const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); ++i) {
+        const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+        p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
+      }
+    }
+  } else {
+    // ---------------- output warpgroup ----------------
+    Tensor accQS = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+    Tensor accAU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
+    T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
+    for (int c = 0; c < nch; ++c) {
+      const int st = c % kStages, par = c & 1;
+      uint8_t* stb = sm + st * Cfg::kStageBytes;
+      T* base = reinterpret_cast<T*>(stb);
+      const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);
+      T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
+      Tensor rQ = thrU.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename L::TokD_K{}));
+      Tensor rAh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_K{}));
+      Tensor rAl = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_K{}));
+      Tensor rSh = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sbuf(par)), typename RL::VD_MN{}));
+      Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sbuf(par) + kDK * VT), typename RL::VD_MN{}));
+      Tensor rUh = thrU.partition_fragment_B(make_tensor(make_smem_ptr(ubuf(par)), typename RL::VTok_MN{}));
+      Tensor rUl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(ubuf(par) + kC * VT), typename RL::VTok_MN{}));
+      mbar_wait(&full[st], (c / kStages) & 1);
+      mbar_wait(&uready[par], (c >> 1) & 1);
+
+      // Q S (S_hi + S_lo) and A U (A_hi U_hi + A_hi U_lo + A_lo U_hi), two accumulators: the
+      // row gate scale e^gamma applies to Q S only.
+      warpgroup_fence_operand(accQS);
+      warpgroup_fence_operand(accAU);
+      warpgroup_arrive();
+      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQ); ++k) {
+        cute::gemm(mmaU, rQ(_, _, k), rSh(_, _, k), accQS);
+        mmaU.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accQS);
+      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAh); ++k) {
+        cute::gemm(mmaU, rAh(_, _, k), rUh(_, _, k), accAU);
+        mmaU.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accAU);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accAU);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accQS);
+      warpgroup_fence_operand(accAU);
+      // Row gates of this thread's rows, read before the stage is released.
+      float gq[size(accQS) / 2];
+      CUTE_UNROLL
+      for (int i = 0; i < size(accQS); i += 2) gq[i / 2] = sG[get<0>(cU(i))];
+      mbar_arrive(&ofree[par]);
+      mbar_arrive(&empty[st]);
+
+      const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+      CUTE_UNROLL
+      for (int i = 0; i < size(accQS); i += 2) {
+        const int r = get<0>(cU(i)), v = get<1>(cU(i));
+        if (r < rows) {
+          *reinterpret_cast<uint32_t*>(ob + (t0 + static_cast<int64_t>(c) * kC + r) * p.so[1] + v) =
+              pack2<T>(gq[i / 2] * accQS(i) + accAU(i), gq[i / 2] * accQS(i + 1) + accAU(i + 1));
+        }
+      }
+    }
+  }
+}
+
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
