@@ -70,6 +70,20 @@ def make_inputs(B, T, H, HV, K, V, dtype=torch.float32, gate="mild", beta_kind="
     )
 
 
+def capture_cuda_graph(fn):
+    """Runs fn once on a side stream (warm-up: allocations, workspace sizes), then captures it.
+    Returns (graph, what the captured call returned)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def rel_err(x, ref):
     x, ref = x.double().cpu(), ref.double().cpu()
     assert not torch.isnan(x).any(), "NaN in output"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qla
-from conftest import reference, rel_err
+from conftest import capture_cuda_graph, reference, rel_err
 from test_cuda_forward import _inputs
 
 pytestmark = [
@@ -78,14 +78,7 @@ def test_forward_and_backward_in_one_cuda_graph():
                                            output_final_state=True, cu_seqlens=x["cu_seqlens"])
         torch.autograd.backward([o, ht], [do, dht])
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_cuda_graph(step)
     fresh = _inputs([256, 100], 2, 4, "strong", seed=16)
     with torch.no_grad():
         for n in NAMES:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import qla
-from conftest import reference, rel_err
+from conftest import capture_cuda_graph, reference, rel_err
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -104,14 +104,7 @@ def test_cuda_graph_capture_and_replay_on_new_inputs():
     run = lambda: qla.chunk_gated_delta_rule(static["q"], static["k"], static["v"], static["g"], static["beta"],
                                              initial_state=static["initial_state"], output_final_state=True,
                                              cu_seqlens=static["cu_seqlens"])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, ht = run()
+    graph, (o, ht) = capture_cuda_graph(run)
     fresh = _inputs([256, 100], 2, 4, "strong", seed=8)
     for n in ("q", "k", "v", "g", "beta", "initial_state"):
         static[n].copy_(fresh[n])
