@@ -64,6 +64,50 @@ struct RecCfg {
 // lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
 static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
 
+// A recurrence CTA's coordinates. blockIdx.x = V tile fastest, then sequence: the CTAs of one
+// (sequence, head) launch together, so they read each chunk's data from L2 at about the same
+// time (and a later wave does not split them); blockIdx.y = value head.
+struct RecTile {
+  int vt, n, hv;
+  int64_t b, t0, slen;  // batch row, first token, length of the sequence
+  int nch, ci0;         // its chunks and the index of its first one
+};
+template <int VT>
+__device__ __forceinline__ RecTile rec_tile(const RecParams& p) {
+  RecTile t;
+  t.vt = blockIdx.x % (kDV / VT);
+  t.n = blockIdx.x / (kDV / VT);
+  t.hv = blockIdx.y;
+  seq_bounds(p.sd, t.n, t.b, t.t0, t.slen);
+  t.nch = static_cast<int>((t.slen + kC - 1) / kC);
+  t.ci0 = p.chunk_off[t.n];
+  return t;
+}
+
+// The fp32 state tile (d, v) of the CTA (columns v0 .. v0 + VT) from h0 (zeros without one), and
+// to the final state; either state layout (kKV: [d][v], kVK: [v][d]).
+template <class Acc, class Coord>
+__device__ __forceinline__ void load_initial_state(const RecParams& p, int n, int hv, int v0, Acc& accS,
+                                                   const Coord& cS) {
+  const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) {
+    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+    accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+  }
+}
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_final_state(const RecParams& p, int n, int hv, int v0, const Acc& accS,
+                                                  const Coord& cS) {
+  if (!p.hT) return;
+  const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) {
+    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+    p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
+  }
+}
+
 // Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
 // every element of o and of the final state becomes NaN (grid-stride over the whole grid).
 template <class T>
@@ -141,18 +185,15 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
   uint64_t* empty = full + kStages;
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
-  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
-  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
+  const RecTile tile = rec_tile<VT>(p);
+  const int vt = tile.vt, n = tile.n, hv = tile.hv;
 #ifdef QLA_SM90_TEST_HOOKS
   const int prec = p.prec;
 #else
   const int prec = kPrecDefault;  // compile-time: no branches around the wgmma batches
 #endif
-  int64_t b, t0, slen;
-  seq_bounds(p.sd, n, b, t0, slen);
-  const int nch = static_cast<int>((slen + kC - 1) / kC);
-  const int ci0 = p.chunk_off[n];
+  const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
+  const int nch = tile.nch, ci0 = tile.ci0;
   if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
     fill_nan_outputs<T>(p);
     return;
@@ -208,12 +249,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
   };
 
   const int v0 = vt * VT;
-  const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
-  CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
-    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-    accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
-  }
+  load_initial_state(p, n, hv, v0, accS, cS);
   store_state();
 
   T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
@@ -332,14 +368,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     store_state();
   }
 
-  if (p.hT) {
-    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) {
-      const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-      p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
-    }
-  }
+  store_final_state(p, n, hv, v0, accS, cS);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -386,13 +415,10 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
   T* sXl = sXh + kC * VT;
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  // blockIdx.x = V tile fastest, then sequence: the CTAs of one (sequence, head) launch together,
-  // so they read each chunk's data from L2 at about the same time (and a later wave does not split them).
-  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
-  int64_t b, t0, slen;
-  seq_bounds(p.sd, n, b, t0, slen);
-  const int nch = static_cast<int>((slen + kC - 1) / kC);
-  const int ci0 = p.chunk_off[n];
+  const RecTile tile = rec_tile<VT>(p);
+  const int vt = tile.vt, n = tile.n, hv = tile.hv;
+  const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
+  const int nch = tile.nch, ci0 = tile.ci0;
   if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
     fill_nan_outputs<T>(p);
     return;
@@ -450,12 +476,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       math_bar();
     };
 
-    const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) {
-      const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-      accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
-    }
+    load_initial_state(p, n, hv, v0, accS, cS);
     store_state(0);
 
     for (int c = 0; c < nch; ++c) {
@@ -528,14 +549,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       store_state(par ^ 1);  // its barrier also ends every warp's reads of X
     }
 
-    if (p.hT) {
-      const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
-      CUTE_UNROLL
-      for (int i = 0; i < size(accS); ++i) {
-        const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-        p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
-      }
-    }
+    store_final_state(p, n, hv, v0, accS, cS);
   } else {
     // ---------------- output warpgroup ----------------
     Tensor accQS = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
