@@ -442,38 +442,10 @@ static double bench(const Case& c, cudaStream_t stream) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
-  std::vector<float> ts;
-  for (int r = 0; r < 20; ++r) {
-    CK(cudaEventRecord(a, stream));
-    (void)qla::sm90::forward(D.p);
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  const double t = ts[ts.size() / 2] * 1e-3;
-  double tprep = 0;  // table + prep alone (test builds with hooks)
-#ifdef QLA_SM90_TEST_HOOKS
-  qla::sm90::set_test_stages(1);
-  ts.clear();
-  for (int r = 0; r < 10; ++r) {
-    CK(cudaEventRecord(a, stream));
-    (void)qla::sm90::forward(D.p);
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms);
-  }
-  qla::sm90::set_test_stages(3);
-  std::sort(ts.begin(), ts.end());
-  tprep = ts[ts.size() / 2] * 1e-3;
-  // Median of 10 forwards under the current test settings.
-  auto time10 = [&]() {
-    ts.clear();
-    for (int r = 0; r < 10; ++r) {
+  // Median of `reps` forwards (seconds) under the current test settings.
+  auto median_s = [&](int reps) {
+    std::vector<float> ts;
+    for (int r = 0; r < reps; ++r) {
       CK(cudaEventRecord(a, stream));
       (void)qla::sm90::forward(D.p);
       CK(cudaEventRecord(b, stream));
@@ -483,8 +455,15 @@ static double bench(const Case& c, cudaStream_t stream) {
       ts.push_back(ms);
     }
     std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2] * 1e3;
+    return ts[ts.size() / 2] * 1e-3;
   };
+  const double t = median_s(20);
+  double tprep = 0;  // table + prep alone (test builds with hooks)
+#ifdef QLA_SM90_TEST_HOOKS
+  qla::sm90::set_test_stages(1);
+  tprep = median_s(10);
+  qla::sm90::set_test_stages(3);
+  auto time10 = [&]() { return median_s(10) * 1e6; };  // microseconds
   // Each recurrence V tile forced (32: warp-specialized kernel, 64: single math warpgroup), then
   // the overlapped prep forced off / on (default V tile).
   qla::sm90::set_test_vt(32);
