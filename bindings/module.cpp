@@ -81,6 +81,27 @@ qla::GdnForwardParams forward_params(const Shape& shape, const Desc& q, const De
   return p;
 }
 
+qla::GdnBackwardParams backward_params(const Shape& shape, const Desc& q, const Desc& k, const Desc& v,
+                                       const Desc& g, const Desc& beta, const Desc& h0, const Desc& cu,
+                                       int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
+                                       const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta,
+                                       const Desc& dh0, double scale, int layout, int device, uintptr_t stream,
+                                       uintptr_t workspace, size_t workspace_bytes) {
+  qla::GdnBackwardParams p;
+  fill_common(p, shape, q, k, v, g, beta, h0, cu, num_seqs, scale, layout, device, stream);
+  p.d_o = in(d_o);
+  p.d_final_state = in(dht);
+  p.dq = out(dq);
+  p.dk = out(dk);
+  p.dv = out(dv);
+  p.dg = out(dg);
+  p.dbeta = out(dbeta);
+  p.d_initial_state = out(dh0);
+  p.workspace = reinterpret_cast<void*>(workspace);
+  p.workspace_bytes = workspace_bytes;
+  return p;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -116,21 +137,26 @@ NB_MODULE(_C, m) {
       });
 
   m.def(
+      "backward_workspace_size",
+      [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
+         const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
+         const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
+         int device) {
+        auto p = backward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
+                                 scale, layout, device, 0, 0, 0);
+        size_t bytes = 0;
+        raise_if_error(qla::gdn_backward_workspace_size(p, &bytes));
+        return bytes;
+      });
+
+  m.def(
       "backward",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
          const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
-         int device, uintptr_t stream, int num_threads) {
-        qla::GdnBackwardParams p;
-        fill_common(p, shape, q, k, v, g, beta, h0, cu, num_seqs, scale, layout, device, stream);
-        p.d_o = in(d_o);
-        p.d_final_state = in(dht);
-        p.dq = out(dq);
-        p.dk = out(dk);
-        p.dv = out(dv);
-        p.dg = out(dg);
-        p.dbeta = out(dbeta);
-        p.d_initial_state = out(dh0);
+         int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads) {
+        auto p = backward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
+                                 scale, layout, device, stream, workspace, workspace_bytes);
         p.num_threads = num_threads;
         qla::Status s;
         {

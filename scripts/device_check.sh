@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
-#   bash scripts/device_check.sh [tests] [memcheck] [bench] [grid] [grid-par] [grid-bwd]
+#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [grid] [grid-par] [grid-bwd]
 #   (default: tests memcheck bench grid)
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call.
@@ -47,6 +47,15 @@ if want tests; then
   echo "== pytest (GPU and CPU suites)"
   # PYTEST_TARGETS narrows the suites (the CPU suites also run in CI), e.g. tests/python/test_cuda_forward.py
   python3 -m pytest ${PYTEST_TARGETS:-tests/python} -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest.log" | tail -15
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+
+if want bwd; then
+  echo "== sm90 backward: per-gradient check against the CPU backend, then its pytest suites"
+  timeout 300 python3 bench/backward_check.py 2>&1 | tee "$OUT/backward_check.log" | tail -10
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  python3 -m pytest tests/python/test_cuda_backward.py tests/python/test_training.py -q -p no:cacheprovider -rs 2>&1 \
+    | tee "$OUT/pytest_bwd.log" | tail -15
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 

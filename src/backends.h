@@ -20,6 +20,9 @@ Status check_supported(const GdnForwardParams& p);
 Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
 // Runs check_supported first, then the kernels on p.stream.
 Status forward(const GdnForwardParams& p);
+// The backward: checks its own limits (as check_supported, plus do/dq/dk/dv), then the kernels.
+Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
+Status backward(const GdnBackwardParams& p);
 }  // namespace sm90
 
 }  // namespace qla

@@ -156,13 +156,22 @@ def gdn_bwd(
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
     dh0 = torch.empty(state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
-    device, stream = _device_args(q)
-    _C.backward(
-        (B, T, H, HV, K, V),
-        _desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
-        _desc(do), _desc(dht), _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta), _desc(dh0),
-        scale, 1 if state_v_first else 0, device, stream, 0,
-    )
+    shape = (B, T, H, HV, K, V)
+    descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
+             _desc(do), _desc(dht), _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta), _desc(dh0))
+    layout = 1 if state_v_first else 0
+    dev = q.device
+    if dev.type != "cuda":
+        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
+        return dq, dk, dv, dg, dbeta, dh0
+    key = ("bwd", shape, n, q.dtype, dev.index)
+    ws_bytes = _WORKSPACE_BYTES.get(key)
+    if ws_bytes is None:
+        ws_bytes = _C.backward_workspace_size(shape, *descs, scale, layout, 1)
+        _WORKSPACE_BYTES[key] = ws_bytes
+    ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
+    _C.backward(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
+                0 if ws is None else ws.data_ptr(), ws_bytes, 0)
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -41,14 +41,14 @@ Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
   *bytes = 0;
   Status s = validate_backward(p);
   if (!s.ok() || p.device == Device::kCpu) return s;
-  return Status::Error(StatusCode::kNotSupported, "backward: the CUDA backend has no backward yet; use CPU tensors");
+  return sm90::backward_workspace_size(p, bytes);
 }
 
 Status gdn_backward(const GdnBackwardParams& p) {
   Status s = validate_backward(p);
   if (!s.ok()) return s;
   if (p.device == Device::kCpu) return cpu::backward(p);
-  return Status::Error(StatusCode::kNotSupported, "backward: the CUDA backend has no backward yet; use CPU tensors");
+  return sm90::backward(p);
 }
 
 }  // namespace qla

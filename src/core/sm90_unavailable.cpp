@@ -17,4 +17,9 @@ Status forward_workspace_size(const GdnForwardParams&, size_t* bytes) {
   return unavailable();
 }
 Status forward(const GdnForwardParams&) { return unavailable(); }
+Status backward_workspace_size(const GdnBackwardParams&, size_t* bytes) {
+  *bytes = 0;
+  return unavailable();
+}
+Status backward(const GdnBackwardParams&) { return unavailable(); }
 }  // namespace qla::sm90

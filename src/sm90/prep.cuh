@@ -83,6 +83,7 @@ struct PrepParams {
   const int* chunk_off;
   void* regions;  // kRegionBytes per (chunk, value head)
   int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
+  void* tm;       // backward: Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; else null
   float scale;
 };
 
@@ -180,7 +181,7 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   float* regf = reinterpret_cast<float*>(regb + kF32Off);
   if (tid < kC) {  // row gates of the recurrence, fp32 (coalesced)
     sBw[tid] = sBeta[tid] * expf(sGam[tid]);
-    regf[kFGq + tid] = p.scale * expf(sGam[tid]);
+    regf[kFGq + tid] = tid < len ? p.scale * expf(sGam[tid]) : 0.f;  // 0 on padding: the backward's dO rows there are foreign
     regf[kFGk + tid] = tid < len ? expf(gam_last - sGam[tid]) : 0.f;
   } else if (tid == kC) {
     regf[kFEG] = expf(gam_last);
@@ -237,8 +238,11 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
       const float e0 = r >= c ? x0 : 0.f, e1 = r >= c + 1 ? x1 : 0.f;
       *reinterpret_cast<float2*>(sL + r * kLd + c) =
           make_float2(r > c ? br * e0 * accKK(i) : 0.f, r > c + 1 ? br * e1 * accKK(i + 1) : 0.f);
+      // Rows past the sequence end are zero (the forward never stores them; the backward's
+      // P^T dO must not see them).
       uint32_t ah, al;
-      split_pair<T>(p.scale * e0 * accQK(i), p.scale * e1 * accQK(i + 1), ah, al);
+      const float sr = r < len ? p.scale : 0.f;
+      split_pair<T>(sr * e0 * accQK(i), sr * e1 * accQK(i + 1), ah, al);
       const int off = static_cast<int>(&tAimg(r, c) - sAh);
       *reinterpret_cast<uint32_t*>(sAh + off) = ah;
       *reinterpret_cast<uint32_t*>(sAh + kImgTokTok + off) = al;
@@ -361,6 +365,15 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
         split_pair<T>(t[e] * w0, t[e + 1] * w1, pwh[e / 2], pwl[e / 2]);
       }
       const int off = static_cast<int>(&tImg(i, j8) - sTuh);
+      if (p.tm) {  // backward: Tm itself, hi/lo, in the same image layout
+        uint4 th, tl;
+        uint32_t* pth = &th.x; uint32_t* ptl = &tl.x;
+        CUTE_UNROLL
+        for (int e = 0; e < 8; e += 2) split_pair<T>(t[e], t[e + 1], pth[e / 2], ptl[e / 2]);
+        T* tmg = static_cast<T*>(p.tm) + (static_cast<size_t>(ci) * p.HV + hv) * (2 * kImgTokTok);
+        *reinterpret_cast<uint4*>(tmg + off) = th;
+        *reinterpret_cast<uint4*>(tmg + kImgTokTok + off) = tl;
+      }
       sts128(smem_u32(sTuh + off), uh);
       sts128(smem_u32(sTuh + kImgTokTok + off), ul);
       sts128(smem_u32(sTwh + off), wh);

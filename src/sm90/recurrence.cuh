@@ -43,6 +43,7 @@ struct RecParams {
   int64_t so[3];
   int N, H, HV;
   int prec;      // kPrec* bits
+  float* states;  // backward: the fp32 state entering every chunk ([K][V] per region); else null
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
 
@@ -84,28 +85,47 @@ __device__ __forceinline__ RecTile rec_tile(const RecParams& p) {
   return t;
 }
 
-// The fp32 state tile (d, v) of the CTA (columns v0 .. v0 + VT) from h0 (zeros without one), and
-// to the final state; either state layout (kKV: [d][v], kVK: [v][d]).
+// An fp32 state tile (d, v) of the CTA (columns v0 .. v0 + VT) from a [N, HV, K, V] or
+// [N, HV, V, K] tensor (zeros without one: src == nullptr), and back; either state layout
+// (vk = 0: [d][v], vk = 1: [v][d]). Used for h0 / final state here, dht / dh0 in the backward.
 template <class Acc, class Coord>
-__device__ __forceinline__ void load_initial_state(const RecParams& p, int n, int hv, int v0, Acc& accS,
-                                                   const Coord& cS) {
-  const int64_t hbase = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+__device__ __forceinline__ void load_state_tile(const float* src, const int64_t* st, int vk, int n, int hv, int v0,
+                                                Acc& acc, const Coord& cS) {
+  const int64_t hbase = static_cast<int64_t>(n) * st[0] + static_cast<int64_t>(hv) * st[1];
   CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
+  for (int i = 0; i < size(acc); ++i) {
     const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-    accS(i) = p.h0 ? p.h0[hbase + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+    acc(i) = src ? src[hbase + (vk ? v * st[2] + d : d * st[2] + v)] : 0.f;
   }
+}
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_state_tile(float* dst, const int64_t* st, int vk, int n, int hv, int v0,
+                                                 const Acc& acc, const Coord& cS) {
+  if (!dst) return;
+  const int64_t fb = static_cast<int64_t>(n) * st[0] + static_cast<int64_t>(hv) * st[1];
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
+    dst[fb + (vk ? v * st[2] + d : d * st[2] + v)] = acc(i);
+  }
+}
+template <class Acc, class Coord>
+__device__ __forceinline__ void load_initial_state(const RecParams& p, int n, int hv, int v0, Acc& accS, const Coord& cS) {
+  load_state_tile(p.h0, p.sh0, p.vk, n, hv, v0, accS, cS);
 }
 template <class Acc, class Coord>
 __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int hv, int v0, const Acc& accS,
                                                   const Coord& cS) {
-  if (!p.hT) return;
-  const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+  store_state_tile(p.hT, p.shT, p.vk, n, hv, v0, accS, cS);
+}
+// Backward: the fp32 state entering chunk ci of value head hv, [K][V] per region, the CTA's columns.
+template <class Acc, class Coord>
+__device__ __forceinline__ void store_chunk_state(float* states, int HV, int ci, int hv, int v0, const Acc& acc,
+                                                  const Coord& cS) {
+  float* dst = states + (static_cast<size_t>(ci) * HV + hv) * (kDK * kDV) + v0;
   CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
-    const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
-    p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i);
-  }
+  for (int i = 0; i < size(acc); i += 2)
+    *reinterpret_cast<float2*>(dst + get<0>(cS(i)) * kDV + get<1>(cS(i))) = make_float2(acc(i), acc(i + 1));
 }
 
 // Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
@@ -259,6 +279,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     T* base = reinterpret_cast<T*>(stb);
     const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
+    if (p.states) store_chunk_state(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
     mbar_wait(&full[st], (c / kStages) & 1);
     T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
     T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);

@@ -1,8 +1,4 @@
-"""sm90 backward on the GPU: the acceptance tests of issue 4, written before the kernels.
-
-They skip without a Hopper GPU. On one they are strict xfails while the sm90 backward does not
-exist (CUDA autograd reports that it is not supported): they fail today, and a pass fails the
-suite until the marker comes off with the kernels.
+"""sm90 backward on the GPU: the acceptance tests of issue 4 (skipped without a Hopper GPU).
 
 Accuracy: relative L2 of every gradient against autograd through the fp64 token-by-token
 recurrence (conftest.reference) on bf16 inputs drawn as in benchmarks.md, plus strong decay and
@@ -20,7 +16,6 @@ from test_cuda_forward import _inputs
 pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                        reason="needs a Hopper (sm90) GPU"),
-    pytest.mark.xfail(strict=True, reason="the sm90 backward is not written yet (issue 4)"),
 ]
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")

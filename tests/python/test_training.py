@@ -7,9 +7,7 @@ learn through its state and its gate.
   output projection alone (the op's parameters frozen) stays at ~0.98 (measured), so the drop
   needs the gradients through the op and its preprocessing (measured ~0.64).
 - GPU (issue 4, acceptance 5): the same run on CUDA and on the CPU backend, from the same
-  initial weights and data, must give the same loss curve. It is marked xfail (strict) while the
-  sm90 backward does not exist: CUDA autograd reports that it is not supported, so the test fails
-  today, and an unexpected pass fails the suite until the marker is removed.
+  initial weights and data, must give the same loss curve.
 """
 import pytest
 import torch
@@ -80,7 +78,6 @@ def test_gdn_layer_trains_on_the_cpu_backend():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs a Hopper (sm90) GPU")
-@pytest.mark.xfail(strict=True, reason="the sm90 backward is not written yet (issue 4)")
 def test_gdn_layer_trains_the_same_on_cuda_and_cpu():
     steps = 300
     cpu = train("cpu", steps, dtype=torch.bfloat16)

@@ -1,0 +1,824 @@
+// sm90 backward kernels 3-5 (kernels 1-2 are the forward's prep and recurrence with their
+// backward outputs switched on). See docs/backward.md for the algebra (B1)..(B33) and the plan.
+//   3. gdn_bwd_reverse: the state-gradient chain, reverse over chunks per (sequence, value head,
+//      V tile of 64); stores dSn (the gradient of the state leaving each chunk) and dU.
+//   4. gdn_bwd_grads:   chunk-parallel, one warpgroup per (chunk, value head): dv, dbeta, dg, and
+//      per-value-head fp32 partials of dq and dk.
+//   5. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
+//      when the device cu_seqlens are malformed.
+#pragma once
+
+#include "common.cuh"
+#include "recurrence.cuh"
+
+namespace qla {
+namespace sm90 {
+// Anonymous: these headers are included by one translation unit each (internal linkage).
+namespace {
+
+using namespace cute;
+
+// More views of the swizzled images (same bytes as Lay<T>'s tiles, other majors).
+template <class T>
+struct BwdLay {
+  using KAtom = GMMA::Layout_K_SW128_Atom<T>;
+  using MNAtom = GMMA::Layout_MN_SW128_Atom<T>;
+  using TokTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _64>{}));                   // (j, i) of an (i, j) image
+  using DD_K = decltype(tile_to_shape(KAtom{}, Shape<_128, _128>{}));                      // state (d, v), v contiguous
+  using DD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _128>{}, Step<_2, _1>{}));    // the same bytes as (v, d)
+};
+
+// One synchronous wgmma batch acc (+)= A B over the whole K extent (smem operands).
+template <class MMA, class TA, class TB, class Acc>
+__device__ __forceinline__ void mma_ss(MMA& mma, int tid, const TA& sA, const TB& sB, Acc& acc, bool accumulate) {
+  auto thr = mma.get_thread_slice(tid);
+  Tensor rA = thr.partition_fragment_A(sA);
+  Tensor rB = thr.partition_fragment_B(sB);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = accumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Reverse chain. One CTA per (sequence, value head, V tile of 64): warps 0-3 = math
+//    warpgroup with dS (K x 64, fp32) in registers, warp 4 = producer (2-stage ring, as in
+//    gdn_recur). Chunks from the last to the first; per chunk, with dSn the current dS:
+//      dU = diag(e^(Gamma-gamma)) (K dSn) + P^T dO                                    (B13)
+//      dS = e^Gamma dSn + Q^T diag(scale e^gamma) dO - W^T dU                          (B14)
+//    dSn and dU are stored (fp32) for kernel 4; dS after chunk 0 is dh0.
+// ---------------------------------------------------------------------------------------------
+struct RevParams {
+  CUtensorMap tmq, tmk, tmdo;  // q, k, dO as (d, head, token, batch), box (64, 1, 64, 1)
+  SeqDesc sd;
+  const int* chunk_off;
+  const void* regions;
+  const float* dht;
+  int64_t sdht[3];
+  float* dh0;
+  int64_t sdh0[3];
+  int vk;
+  float* dsn;  // [region][K][V]
+  float* du;   // [region][tok][V]
+  int N, H, HV;
+};
+
+constexpr int kRevVT = 64;
+struct RevCfg {
+  // Stage: 16-bit image (w_hi | A hi | A lo) | Q | K | dO tile (64 tok x 64 v) | gates (1 KiB).
+  static constexpr uint32_t kOBytes = kC * kRevVT * 2;
+  static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStO = kStK + kQKBytes, kStG = kStO + kOBytes;
+  static constexpr uint32_t kStageBytes = kStG + 1024;
+  static constexpr uint32_t kBarOff = kStG + 768;
+  static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kOBytes + kGateBytes;
+  // Then dS hi/lo (v, d), -dU hi/lo (v, tok), diag(scale e^gamma) dO hi/lo (v, tok).
+  static constexpr uint32_t kOffS = kStages * kStageBytes;
+  static constexpr uint32_t kOffU = kOffS + 2 * kDK * kRevVT * 2;
+  static constexpr uint32_t kOffG = kOffU + 2 * kC * kRevVT * 2;
+  static constexpr size_t kSmem = 1024 + kOffG + 2 * kC * kRevVT * 2;
+  static_assert(kSmem <= 232448, "reverse kernel smem over the 227 KiB limit");
+};
+
+template <class T>
+__global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant__ RevParams p) {
+  constexpr int VT = kRevVT;
+  using L = Lay<T>;
+  using BL = BwdLay<T>;
+  using RL = RecLay<T, VT>;
+  using Cfg = RevCfg;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  T* sSh = reinterpret_cast<T*>(sm + Cfg::kOffS);  // dS hi/lo (v, d)
+  T* sSl = sSh + kDK * VT;
+  T* sUh = reinterpret_cast<T*>(sm + Cfg::kOffU);  // -dU hi/lo (v, tok)
+  T* sUl = sUh + kC * VT;
+  T* sGh = reinterpret_cast<T*>(sm + Cfg::kOffG);  // scaled dO hi/lo (v, tok)
+  T* sGl = sGh + kC * VT;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
+  uint64_t* empty = full + kStages;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
+  if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: kernel 5 writes NaN
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int nch = static_cast<int>((slen + kC - 1) / kC), ci0 = p.chunk_off[n];
+  const int v0 = vt * VT;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 4) {  // producer: chunks in reverse order
+    if ((tid & 31) == 0) {
+      const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
+      const int hq = hv / (p.HV / p.H);
+      for (int it = 0; it < nch; ++it) {
+        const int c = nch - 1 - it, st = it % kStages;
+        const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kRegionBytes;
+        uint8_t* dst = sm + st * Cfg::kStageBytes;
+        const int tok = static_cast<int>(t0) + c * kC;
+        mbar_wait(&empty[st], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&full[st], Cfg::kStageTx);
+        bulk_g2s(dst, src, kImgBytes, &full[st]);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+          tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+        }
+        // Rows past the sequence end belong to the next sequence: the A rows and scale e^gamma
+        // there are zero (prep), so they reach neither dU nor dS.
+        tma_load_4d(dst + Cfg::kStO, &p.tmdo, v0, hv, tok, static_cast<int>(b), &full[st]);
+        bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
+      }
+    }
+    return;
+  }
+
+  // ---- math warpgroup ----
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto thrU = mmaU.get_thread_slice(tid);
+  auto thrS = mmaS.get_thread_slice(tid);
+  Tensor tS = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});   // (v, d), offsets
+  Tensor tU = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok), offsets
+  Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});     // dS (d, v)
+  Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});      // K dSn
+  Tensor accP = partition_fragment_C(mmaS, Shape<_64, Int<VT>>{});      // P^T dO
+  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
+  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
+  Tensor rSh = thrU.partition_fragment_B(tS);
+  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
+  Tensor rUh = thrS.partition_fragment_B(tU);
+  Tensor rUl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
+  Tensor rGh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGh), typename RL::VTok_MN{}));
+  Tensor rGl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGl), typename RL::VTok_MN{}));
+
+  auto store_ds = [&]() {  // dS -> hi/lo images for the next chunk's K dSn
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); i += 2) {
+      uint32_t h, l;
+      split_pair<T>(accS(i), accS(i + 1), h, l);
+      const int off = static_cast<int>(&tS(get<1>(cS(i)), get<0>(cS(i))) - sSh);
+      *reinterpret_cast<uint32_t*>(sSh + off) = h;
+      *reinterpret_cast<uint32_t*>(sSl + off) = l;
+    }
+    fence_async_smem();
+    math_bar();
+  };
+
+  load_state_tile(p.dht, p.sdht, p.vk, n, hv, v0, accS, cS);
+  store_ds();
+
+  for (int it = 0; it < nch; ++it) {
+    const int c = nch - 1 - it, st = it % kStages, ci = ci0 + c;
+    uint8_t* stb = sm + st * Cfg::kStageBytes;
+    T* base = reinterpret_cast<T*>(stb);
+    T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
+    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
+    store_chunk_state(p.dsn, p.HV, ci, hv, v0, accS, cS);               // dSn of chunk c
+    mbar_wait(&full[st], (it / kStages) & 1);
+
+    // diag(scale e^gamma) dO as hi/lo (v, tok) images: pairs of adjacent v.
+    {
+      Tensor tO = make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{});
+      CUTE_UNROLL
+      for (int k = 0; k < (kC * VT / 2) / 128; ++k) {
+        const int q = tid + 128 * k, r = q / (VT / 2), v = (q % (VT / 2)) * 2;
+        const int off = static_cast<int>(&tO(v, r) - sO);
+        const float2 o2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sO + off));
+        const float gq = sG[r];
+        uint32_t h, l;
+        split_pair<T>(gq * o2.x, gq * o2.y, h, l);
+        *reinterpret_cast<uint32_t*>(sGh + off) = h;
+        *reinterpret_cast<uint32_t*>(sGl + off) = l;
+      }
+    }
+    fence_async_smem();
+    math_bar();
+
+    Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
+    Tensor rQt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStQ)), typename L::DTok_MN{}));
+    Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::DTok_MN{}));
+    Tensor rPh = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename BL::TokTok_MN{}));
+    Tensor rPl = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename BL::TokTok_MN{}));
+    Tensor rO = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{}));
+
+    // Batch 1: accU = K dSn (hi + lo), accP = P^T dO (P hi + lo), accS = e^Gamma dSn + Q^T dOg.
+    const float eG = sG[2 * kC];
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
+    warpgroup_fence_operand(accU);
+    warpgroup_fence_operand(accP);
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rK); ++k) {
+      cute::gemm(mmaU, rK(_, _, k), rSh(_, _, k), accU);
+      mmaU.accumulate_ = GMMA::ScaleOut::One;
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rK); ++k) cute::gemm(mmaU, rK(_, _, k), rSl(_, _, k), accU);
+    mmaS.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rPh); ++k) {
+      cute::gemm(mmaS, rPh(_, _, k), rO(_, _, k), accP);
+      mmaS.accumulate_ = GMMA::ScaleOut::One;
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rPl); ++k) cute::gemm(mmaS, rPl(_, _, k), rO(_, _, k), accP);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rQt); ++k) cute::gemm(mmaS, rQt(_, _, k), rGh(_, _, k), accS);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rQt); ++k) cute::gemm(mmaS, rQt(_, _, k), rGl(_, _, k), accS);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accU);
+    warpgroup_fence_operand(accP);
+    warpgroup_fence_operand(accS);
+
+    // dU = gk (K dSn) + P^T dO: fp32 to the workspace, -dU as hi/lo images.
+    float* dug = p.du + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV) + v0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accU); i += 2) {
+      const int r = get<0>(cU(i)), v = get<1>(cU(i));
+      const float gk = sG[kC + r];
+      const float d0 = gk * accU(i) + accP(i), d1 = gk * accU(i + 1) + accP(i + 1);
+      *reinterpret_cast<float2*>(dug + r * kDV + v) = make_float2(d0, d1);
+      uint32_t h, l;
+      split_pair<T>(-d0, -d1, h, l);
+      const int off = static_cast<int>(&tU(v, r) - sUh);
+      *reinterpret_cast<uint32_t*>(sUh + off) = h;
+      *reinterpret_cast<uint32_t*>(sUl + off) = l;
+    }
+    fence_async_smem();
+    math_bar();
+
+    // Batch 2: accS += W^T (-dU) (hi + lo).
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    mmaS.accumulate_ = GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUh(_, _, k), accS);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUl(_, _, k), accS);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS);
+    mbar_arrive(&empty[st]);
+    store_ds();
+  }
+  store_state_tile(p.dh0, p.sdh0, p.vk, n, hv, v0, accS, cS);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Chunk-local gradients, one CTA (one warpgroup) per (chunk, value head). All products are
+//    wgmma on 16-bit images in shared memory (hi only), fp32 accumulators; see (B15)-(B33).
+// ---------------------------------------------------------------------------------------------
+struct GradParams {
+  const void *q, *k, *v, *dO;
+  int64_t sq[3], sk[3], sv[3], sdo[3];
+  const void *g, *beta;
+  int64_t sg[2], sb[2];
+  int g_dt, b_dt;
+  SeqDesc sd;
+  int N, H, HV;
+  int64_t T;  // tokens per batch row (partials are [B * T][HV][K])
+  const int* chunk_off;
+  const void* regions;
+  const void* tm;
+  const float *states, *dsn, *du;
+  float *dqp, *dkp;
+  void* dv;
+  int64_t sdv[3];
+  void* dg;
+  int64_t sdg[2];
+  int dg_dt;
+  void* dbeta;
+  int64_t sdb[2];
+  int db_dt;
+  float scale;
+};
+
+// Shared memory (byte offsets from the 1 KiB aligned base); buffers are reused once dead.
+constexpr uint32_t kGQ = 0, kGK = 16384, kGO = 32768 /* dO, then Uv */, kGS = 49152 /* S, then dSn (32 KiB) */;
+constexpr uint32_t kGW = 81920, kGU = 98304 /* U, then dVb */, kGX = 114688 /* X, then diag(beta) K */;
+constexpr uint32_t kGdU = 131072, kGdW = 147456, kGdKb = 163840, kGTm = 180224, kGdA = 188416 /* dA, then dM */;
+constexpr uint32_t kGMisc = 196608;  // gamma[64], beta[64], column sums of R [64], reduction scratch
+constexpr size_t kGradSmem = 1024 + kGMisc + 4 * 64 * 4 + 64;
+static_assert(kGradSmem <= 232448, "grads smem over the 227 KiB limit");
+
+__device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
+  if (dt == static_cast<int>(DType::kFloat32)) static_cast<float*>(p)[i] = x;
+  else if (dt == static_cast<int>(DType::kBFloat16)) static_cast<cutlass::bfloat16_t*>(p)[i] = cutlass::bfloat16_t(x);
+  else static_cast<cutlass::half_t*>(p)[i] = cutlass::half_t(x);
+}
+
+// Per-thread partial row dots <acc_r, X_r> for the thread's two rows (r0 = 16 warp + lane/4 and
+// r0 + 8), summed over the quad that holds each row. X(r, c) reads a 16-bit image.
+template <class Acc, class Coord, class Img>
+__device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const Img& X) {
+  float s[2] = {0.f, 0.f};
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    s[(r >> 3) & 1] += acc(i) * float(X(r, c));
+  }
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
+    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
+  }
+  return make_float2(s[0], s[1]);
+}
+
+template <class T>
+__global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ GradParams p) {
+  using L = Lay<T>;
+  using BL = BwdLay<T>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int reg = blockIdx.x, ci = reg / p.HV, hv = reg % p.HV;
+  if (p.chunk_off[p.N + 1] || ci >= p.chunk_off[p.N]) return;
+
+  T* sQ = reinterpret_cast<T*>(sm + kGQ);
+  T* sK = reinterpret_cast<T*>(sm + kGK);
+  T* sO = reinterpret_cast<T*>(sm + kGO);
+  T* sUv = sO;
+  T* sS = reinterpret_cast<T*>(sm + kGS);
+  T* sW = reinterpret_cast<T*>(sm + kGW);
+  T* sU = reinterpret_cast<T*>(sm + kGU);
+  T* sdVb = sU;
+  T* sX = reinterpret_cast<T*>(sm + kGX);
+  T* sBK = sX;
+  T* sdU = reinterpret_cast<T*>(sm + kGdU);
+  T* sdW = reinterpret_cast<T*>(sm + kGdW);
+  T* sdKb = reinterpret_cast<T*>(sm + kGdKb);
+  T* sTm = reinterpret_cast<T*>(sm + kGTm);
+  T* sdA = reinterpret_cast<T*>(sm + kGdA);
+  T* sdM = sdA;
+  float* sGam = reinterpret_cast<float*>(sm + kGMisc);
+  float* sBeta = sGam + 64;
+  float* sColR = sBeta + 64;
+  float* sRed = sColR + 64;  // [0]: e^Gamma <dSn, S>; [4..7] per-warp partials
+
+  // The chunk's sequence (largest n with off[n] <= ci skips zero-length sequences).
+  int lo = 0, hi = p.N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.chunk_off[mid] <= ci) lo = mid; else hi = mid - 1;
+  }
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, lo, b, t0, slen);
+  const int64_t cstart = static_cast<int64_t>(ci - p.chunk_off[lo]) * kC;
+  t0 += cstart;
+  const int len = static_cast<int>(min<int64_t>(kC, slen - cstart));
+  const int hq = hv / (p.HV / p.H);
+  const size_t region = static_cast<size_t>(ci) * p.HV + hv;
+  const uint8_t* regb = static_cast<const uint8_t*>(p.regions) + region * kRegionBytes;
+  const float* uvg = reinterpret_cast<const float*>(regb + kF32Off) + kFU;  // Uv [V/32][tok][32]
+  const T* Ag = reinterpret_cast<const T*>(regb) + kOffAh;                   // P hi | lo images
+
+  // gamma (cumsum of g over the valid rows; padding g = 0, beta = 0).
+  if (tid < kC) {
+    float gv = 0.f, bv = 0.f;
+    if (tid < len) {
+      const int64_t t = t0 + tid;
+      gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
+      bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
+    }
+    CUTE_UNROLL
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, gv, o);
+      if (lane >= o) gv += y;
+    }
+    sGam[tid] = gv;
+    sBeta[tid] = bv;
+    sColR[tid] = 0.f;
+  }
+  __syncthreads();
+  if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
+
+  Tensor tQ = make_tensor(make_smem_ptr(sQ), typename L::TokD_K{});  // offsets of every (tok, d) image
+  // Q, K, dO tiles (rows past the sequence end = 0), 16-byte units.
+  {
+    const T* qg = static_cast<const T*>(p.q) + b * p.sq[0] + hq * p.sq[2];
+    const T* kg = static_cast<const T*>(p.k) + b * p.sk[0] + hq * p.sk[2];
+    const T* og = static_cast<const T*>(p.dO) + b * p.sdo[0] + static_cast<int64_t>(hv) * p.sdo[2];
+    CUTE_UNROLL
+    for (int k = 0; k < 8; ++k) {
+      const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
+      const int off = static_cast<int>(&tQ(r, c8) - sQ);
+      uint4 xq = make_uint4(0, 0, 0, 0), xk = xq, xo = xq;
+      if (r < len) {
+        const int64_t t = t0 + r;
+        xq = *reinterpret_cast<const uint4*>(qg + t * p.sq[1] + c8);
+        xk = *reinterpret_cast<const uint4*>(kg + t * p.sk[1] + c8);
+        xo = *reinterpret_cast<const uint4*>(og + t * p.sdo[1] + c8);
+      }
+      *reinterpret_cast<uint4*>(sQ + off) = xq;
+      *reinterpret_cast<uint4*>(sK + off) = xk;
+      *reinterpret_cast<uint4*>(sO + off) = xo;
+      // W (the region's image has this very layout) and dU (fp32 -> 16-bit).
+      *reinterpret_cast<uint4*>(sW + off) = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(regb) + kOffWh + off);
+      const float* dug = p.du + region * (kC * kDV) + r * kDV + c8;
+      const float4 a = *reinterpret_cast<const float4*>(dug), c = *reinterpret_cast<const float4*>(dug + 4);
+      *reinterpret_cast<uint4*>(sdU + off) =
+          make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c.x, c.y), pack2<T>(c.z, c.w));
+    }
+    // Tm hi image (8 KiB).
+    const T* tmg = static_cast<const T*>(p.tm) + region * (2 * kImgTokTok);
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const int u = tid + 128 * k;
+      reinterpret_cast<uint4*>(sTm)[u] = reinterpret_cast<const uint4*>(tmg)[u];
+    }
+  }
+  Tensor tS = make_tensor(make_smem_ptr(sS), typename BL::DD_K{});  // (d, v)
+  auto load_state_image = [&](const float* src) {
+    CUTE_UNROLL
+    for (int k = 0; k < 16; ++k) {
+      const int u = tid + 128 * k, d = u >> 4, v8 = (u & 15) * 8;
+      const float4 a = *reinterpret_cast<const float4*>(src + d * kDV + v8);
+      const float4 c = *reinterpret_cast<const float4*>(src + d * kDV + v8 + 4);
+      *reinterpret_cast<uint4*>(sS + (&tS(d, v8) - sS)) =
+          make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c.x, c.y), pack2<T>(c.z, c.w));
+    }
+  };
+  const float* Sg = p.states + region * (kDK * kDV);
+  const float* dSg = p.dsn + region * (kDK * kDV);
+  load_state_image(Sg);
+  fence_async_smem();
+  __syncthreads();
+
+  const float gl = sGam[len > 0 ? len - 1 : 0];
+  auto mma_kmn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mma_kk128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto mma_mn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto mma_kk64 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto img = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokD_K{}); };       // (tok, d|v)
+  auto imgT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DTok_MN{}); };     // (d|v, tok)
+  auto tt = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_K{}); };      // (i, j)
+  auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::TokTok_MN{}); };   // (j, i)
+  auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::DD_K{}); };         // (d, v)
+  auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::DD_MN{}); };       // (v, d)
+  Tensor acc = partition_fragment_C(mma_kk128, Shape<_64, _128>{});   // scratch 64 x 128
+  Tensor accK = partition_fragment_C(mma_kk128, Shape<_64, _128>{});  // dK
+  Tensor acc64 = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
+  Tensor cc = mma_kk128.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  Tensor c64 = mma_kk64.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  Tensor tK = img(sK);
+  float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f};  // a_i, x_i, dbeta_i of my two rows
+  const int r0 = 16 * warp + (lane >> 2);
+  auto img_off = [&](int r, int c) { return static_cast<int>(&tQ(r, c) - sQ); };
+
+  // (B15) U = Uv - W S; U and X = diag(e^(Gamma-gamma)) U as 16-bit images.
+  mma_ss(mma_kmn128, tid, img(sW), ddT(sS), acc, false);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    const float2 u2 = *reinterpret_cast<const float2*>(uvg + (c / kUT) * (kC * kUT) + u_index(r, c % kUT));
+    const float x0 = u2.x - acc(i), x1 = u2.y - acc(i + 1);
+    const float gk = r < len ? expf(gl - sGam[r]) : 0.f;
+    const int off = img_off(r, c);
+    *reinterpret_cast<uint32_t*>(sU + off) = pack2<T>(x0, x1);
+    *reinterpret_cast<uint32_t*>(sX + off) = pack2<T>(gk * x0, gk * x1);
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  // (B16, B17, B30) dP = dO U^T; dA = scale causal(E o dP); R1 = strict(dP o P).
+  mma_ss(mma_kk64, tid, img(sO), img(sU), acc64, false);
+  {
+    Tensor tA = tt(sdA);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc64); i += 2) {
+      const int r = get<0>(c64(i)), c = get<1>(c64(i));
+      const int off = static_cast<int>(&tA(r, c) - sdA);
+      const float2 ph = unpack2<T>(*reinterpret_cast<const uint32_t*>(Ag + off));
+      const float2 pl = unpack2<T>(*reinterpret_cast<const uint32_t*>(Ag + kImgTokTok + off));
+      float da[2], rr[2];
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int cj = c + e;
+        const float E = r >= cj ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
+        const float dp = acc64(i + e);
+        da[e] = p.scale * E * dp;
+        rr[e] = r > cj ? dp * (e ? ph.y + pl.y : ph.x + pl.x) : 0.f;
+      }
+      *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
+      aR[(r >> 3) & 1] += rr[0] + rr[1];
+      atomicAdd(&sColR[c], rr[0]);
+      atomicAdd(&sColR[c + 1], rr[1]);
+    }
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  // (B18) dQ = diag(scale e^gamma) dO S^T + dA K; a_i += <scale e^gamma_i (dO S^T)_i, Q_i>.
+  mma_ss(mma_kk128, tid, img(sO), dd(sS), acc, false);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const int r = get<0>(cc(i));
+    acc(i) *= r < len ? p.scale * expf(sGam[r]) : 0.f;
+  }
+  {
+    const float2 a1 = row_dot(acc, cc, tQ);
+    aR[0] += a1.x;
+    aR[1] += a1.y;
+  }
+  mma_ss(mma_kmn128, tid, tt(sdA), imgT(sK), acc, true);
+  {
+    float* dq = p.dqp + ((b * p.T + t0) * p.HV + hv) * kDK;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      if (r < len) *reinterpret_cast<float2*>(dq + static_cast<int64_t>(r) * p.HV * kDK + c) = make_float2(acc(i), acc(i + 1));
+    }
+  }
+  __syncthreads();  // dO is dead: its bytes take the Uv image
+  CUTE_UNROLL
+  for (int k = 0; k < 8; ++k) {
+    const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
+    const float* src = uvg + (c8 / kUT) * (kC * kUT);
+    uint4 x;
+    uint32_t* px = &x.x;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; e += 2) {
+      const float2 u2 = *reinterpret_cast<const float2*>(src + u_index(r, (c8 + e) % kUT));
+      px[e / 2] = pack2<T>(u2.x, u2.y);
+    }
+    *reinterpret_cast<uint4*>(sUv + img_off(r, c8)) = x;
+  }
+
+  // (B19) dK = dA^T Q.
+  mma_ss(mma_mn128, tid, ttT(sdA), imgT(sQ), accK, false);
+  // (B21) dW = -dU S^T as an image.
+  mma_ss(mma_kk128, tid, img(sdU), dd(sS), acc, false);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    *reinterpret_cast<uint32_t*>(sdW + img_off(r, c)) = pack2<T>(-acc(i), -acc(i + 1));
+  }
+  __syncthreads();  // S is dead: its bytes take dSn; e^Gamma <dSn, S> on the way
+  {
+    float part = 0.f;
+    CUTE_UNROLL
+    for (int k = 0; k < 16; ++k) {
+      const int u = tid + 128 * k, d = u >> 4, v8 = (u & 15) * 8;
+      const float4 a = *reinterpret_cast<const float4*>(Sg + d * kDV + v8);
+      const float4 c = *reinterpret_cast<const float4*>(Sg + d * kDV + v8 + 4);
+      const float4 x = *reinterpret_cast<const float4*>(dSg + d * kDV + v8);
+      const float4 y = *reinterpret_cast<const float4*>(dSg + d * kDV + v8 + 4);
+      part += a.x * x.x + a.y * x.y + a.z * x.z + a.w * x.w + c.x * y.x + c.y * y.y + c.z * y.z + c.w * y.w;
+      *reinterpret_cast<uint4*>(sS + (&tS(d, v8) - sS)) =
+          make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+    }
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) sRed[4 + warp] = part;
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  // (B20, B32) dK_d = X dSn^T; x_i = <dK_d_i, K_i>.
+  mma_ss(mma_kk128, tid, img(sX), dd(sS), acc, false);
+  {
+    const float2 x = row_dot(acc, cc, tK);
+    xR[0] += x.x;
+    xR[1] += x.y;
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) accK(i) += acc(i);
+
+  // (B23, B24, B29) dVb = Tm^T dU; dv = diag(beta) dVb; dbeta_i += <dVb_i, V_i>.
+  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sdU), acc, false);
+  {
+    const T* vg = static_cast<const T*>(p.v) + b * p.sv[0] + static_cast<int64_t>(hv) * p.sv[2];
+    T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2];
+    float s[2] = {0.f, 0.f};
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      *reinterpret_cast<uint32_t*>(sdVb + img_off(r, c)) = pack2<T>(acc(i), acc(i + 1));
+      if (r < len) {
+        const int64_t t = t0 + r;
+        const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(vg + t * p.sv[1] + c));
+        s[(r >> 3) & 1] += acc(i) * v2.x + acc(i + 1) * v2.y;
+        const float br = sBeta[r];
+        *reinterpret_cast<uint32_t*>(dvg + t * p.sdv[1] + c) = pack2<T>(br * acc(i), br * acc(i + 1));
+      }
+    }
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
+      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
+      dbR[h] += s[h];
+    }
+  }
+  fence_async_smem();
+  __syncthreads();  // dW and dVb images complete
+
+  // (B23, B24, B29, B31) dKb = Tm^T dW; dK_b = diag(beta e^gamma) dKb.
+  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sdW), acc, false);
+  {
+    const float2 kd = row_dot(acc, cc, tK);  // <dKb_i, K_i>
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const float eg = expf(sGam[r]);
+      dbR[h] += eg * (h ? kd.y : kd.x);
+      aR[h] += sBeta[r] * eg * (h ? kd.y : kd.x);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      *reinterpret_cast<uint32_t*>(sdKb + img_off(r, c)) = pack2<T>(acc(i), acc(i + 1));
+      const float s = sBeta[r] * expf(sGam[r]);
+      accK(i) += s * acc(i);
+      accK(i + 1) += s * acc(i + 1);
+    }
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  // (B25, B26, B30) dL = strict(-(dVb Uv^T + dKb W^T)), L = strict(diag(beta) E o K K^T),
+  // R2 = dL o L, dM = E o dL.
+  mma_ss(mma_kk64, tid, img(sdVb), img(sUv), acc64, false);
+  mma_ss(mma_kk64, tid, img(sdKb), img(sW), acc64, true);
+  {
+    Tensor accKK = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
+    mma_ss(mma_kk64, tid, img(sK), img(sK), accKK, false);
+    Tensor tM = tt(sdM);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc64); i += 2) {
+      const int r = get<0>(c64(i)), c = get<1>(c64(i));
+      float dm[2], rr[2];
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int cj = c + e;
+        const float E = r > cj ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
+        const float dl = r > cj ? -acc64(i + e) : 0.f;
+        const float l = sBeta[r] * E * accKK(i + e);
+        rr[e] = dl * l;
+        dm[e] = E * dl;
+      }
+      *reinterpret_cast<uint32_t*>(sdM + static_cast<int>(&tM(r, c) - sdM)) = pack2<T>(dm[0], dm[1]);
+      aR[(r >> 3) & 1] += rr[0] + rr[1];
+      atomicAdd(&sColR[c], rr[0]);
+      atomicAdd(&sColR[c + 1], rr[1]);
+    }
+  }
+  // diag(beta) K image into X's bytes (X was last read by dK_d, before two barriers).
+  CUTE_UNROLL
+  for (int k = 0; k < 8; ++k) {
+    const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
+    const int off = img_off(r, c8);
+    const uint4 kx = *reinterpret_cast<const uint4*>(sK + off);
+    const uint32_t* pk = &kx.x;
+    uint4 y;
+    uint32_t* py = &y.x;
+    const float br = sBeta[r];
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = unpack2<T>(pk[e]);
+      py[e] = pack2<T>(br * f.x, br * f.y);
+    }
+    *reinterpret_cast<uint4*>(sBK + off) = y;
+  }
+  fence_async_smem();
+  __syncthreads();
+
+  // (B27, B29) dM K: dbeta_i += <(dM K)_i, K_i>, dK += diag(beta) dM K; dK += dM^T diag(beta) K.
+  mma_ss(mma_kmn128, tid, tt(sdM), imgT(sK), acc, false);
+  {
+    const float2 kd = row_dot(acc, cc, tK);
+    dbR[0] += kd.x;
+    dbR[1] += kd.y;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) accK(i) += sBeta[get<0>(cc(i))] * acc(i);
+  }
+  mma_ss(mma_mn128, tid, ttT(sdM), imgT(sBK), accK, true);
+  {
+    float* dk = p.dkp + ((b * p.T + t0) * p.HV + hv) * kDK;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accK); i += 2) {
+      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      if (r < len) *reinterpret_cast<float2*>(dk + static_cast<int64_t>(r) * p.HV * kDK + c) = make_float2(accK(i), accK(i + 1));
+    }
+  }
+
+  // dbeta, and dg (B33): dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S>, with
+  // a_i -= column sums of R.
+  __syncthreads();  // sColR complete, sRed partials written
+  float* sA = reinterpret_cast<float*>(sm + kGdA);  // dM is dead: 2 x 64 floats of scratch
+  float* sXr = sA + 64;
+  if ((lane & 3) == 0) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      sA[r] = aR[h] - sColR[r];
+      sXr[r] = xR[h];
+      if (r < len) store_f(p.dbeta, p.db_dt, b * p.sdb[0] + (t0 + r) * p.sdb[1] + hv, dbR[h]);
+    }
+  }
+  __syncthreads();
+  if (tid < len) {
+    const float eS = expf(gl) * (sRed[4] + sRed[5] + sRed[6] + sRed[7]);
+    float s = eS;
+    for (int i = tid; i < kC; ++i) s += sA[i];
+    for (int i = 0; i < tid; ++i) s += sXr[i];
+    store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. dq, dk: sums of the fp32 partials over each value-head group, in the dtype of q; NaN in
+//    every output when the device cu_seqlens are malformed (off[N + 1] set by the chunk table).
+// ---------------------------------------------------------------------------------------------
+struct FinishParams {
+  const float *dqp, *dkp;
+  void *dq, *dk;
+  int64_t sdq[3], sdk[3];
+  int64_t B, T;
+  int H, HV, N;
+  const int* chunk_off;
+  // NaN fill targets
+  void* dv;
+  int64_t sdv[3];
+  void* dg;
+  int64_t sdg[2];
+  int dg_dt;
+  void* dbeta;
+  int64_t sdb[2];
+  int db_dt;
+  float* dh0;
+  int64_t sdh0[3];
+};
+
+template <class T>
+__global__ void __launch_bounds__(256) gdn_bwd_finish(const __grid_constant__ FinishParams p) {
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int G = p.HV / p.H;
+  const bool bad = p.chunk_off[p.N + 1] != 0;
+  const float nan = __int_as_float(0x7fc00000);
+  // dq, dk: 4 consecutive d per thread.
+  const int64_t nq = p.B * p.T * p.H * (kDK / 4);
+  for (int64_t i = first; i < nq; i += nthreads) {
+    const int64_t d4 = (i % (kDK / 4)) * 4, h = (i / (kDK / 4)) % p.H, bt = i / (kDK / 4) / p.H;
+    const int64_t bb = bt / p.T, t = bt % p.T;
+    float4 sq = make_float4(0.f, 0.f, 0.f, 0.f), sk = sq;
+    for (int gi = 0; gi < G; ++gi) {
+      const int64_t src = (bt * p.HV + h * G + gi) * kDK + d4;
+      const float4 a = *reinterpret_cast<const float4*>(p.dqp + src);
+      const float4 c = *reinterpret_cast<const float4*>(p.dkp + src);
+      sq.x += a.x; sq.y += a.y; sq.z += a.z; sq.w += a.w;
+      sk.x += c.x; sk.y += c.y; sk.z += c.z; sk.w += c.w;
+    }
+    if (bad) sq = sk = make_float4(nan, nan, nan, nan);
+    T* q = static_cast<T*>(p.dq) + bb * p.sdq[0] + t * p.sdq[1] + h * p.sdq[2] + d4;
+    T* k = static_cast<T*>(p.dk) + bb * p.sdk[0] + t * p.sdk[1] + h * p.sdk[2] + d4;
+    *reinterpret_cast<uint2*>(q) = make_uint2(pack2<T>(sq.x, sq.y), pack2<T>(sq.z, sq.w));
+    *reinterpret_cast<uint2*>(k) = make_uint2(pack2<T>(sk.x, sk.y), pack2<T>(sk.z, sk.w));
+  }
+  if (!bad) return;
+  const int64_t nv = p.B * p.T * p.HV * kDV;
+  for (int64_t i = first; i < nv; i += nthreads) {
+    const int64_t v = i % kDV, h = (i / kDV) % p.HV, bt = i / kDV / p.HV;
+    static_cast<T*>(p.dv)[(bt / p.T) * p.sdv[0] + (bt % p.T) * p.sdv[1] + h * p.sdv[2] + v] = T(nan);
+  }
+  const int64_t ng = p.B * p.T * p.HV;
+  for (int64_t i = first; i < ng; i += nthreads) {
+    const int64_t h = i % p.HV, bt = i / p.HV;
+    store_f(p.dg, p.dg_dt, (bt / p.T) * p.sdg[0] + (bt % p.T) * p.sdg[1] + h, nan);
+    store_f(p.dbeta, p.db_dt, (bt / p.T) * p.sdb[0] + (bt % p.T) * p.sdb[1] + h, nan);
+  }
+  if (p.dh0) {
+    const int64_t nh = static_cast<int64_t>(p.N) * p.HV * kDK * kDV;
+    for (int64_t i = first; i < nh; i += nthreads) {
+      const int64_t j = i % (kDK * kDV), h = (i / (kDK * kDV)) % p.HV, n = i / (kDK * kDV * p.HV);
+      p.dh0[n * p.sdh0[0] + h * p.sdh0[1] + (j / kDV) * p.sdh0[2] + j % kDV] = nan;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla

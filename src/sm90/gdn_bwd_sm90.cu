@@ -1,0 +1,290 @@
+// sm90 (Hopper, sm_90a) backward of the Gated DeltaNet chunked prefill. Six launches on
+// p.stream, no host synchronisation (graph-capturable); docs/backward.md has the algebra.
+//   1. gdn_chunk_table:  chunk offsets and the cu_seqlens check (as in the forward).
+//   2. gdn_prep<T>:      the forward's prep, also storing Tm = (I+L)^-1 (hi/lo images).
+//   3. gdn_recur<T, 64>: the forward's recurrence, also storing the state entering every chunk
+//                        (fp32); its output lands in dv, overwritten by kernel 5.
+//   4. gdn_bwd_reverse:  the state-gradient chain in reverse, storing dSn and dU per chunk; dh0.
+//   5. gdn_bwd_grads:    chunk-parallel dv, dbeta, dg and per-value-head dq, dk partials.
+//   6. gdn_bwd_finish:   dq, dk summed over each value-head group (NaN outputs on bad cu_seqlens).
+// Nothing is kept from the forward: everything is recomputed from q, k, v, g, beta and dO.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../backends.h"
+#include "backward.cuh"
+#include "common.cuh"
+#include "host_util.cuh"
+#include "prep.cuh"
+#include "recurrence.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+using namespace cute;
+
+constexpr size_t kTmBytes = 2 * kImgTokTok * 2;           // Tm hi|lo images per region
+constexpr size_t kStateBytes = size_t(kDK) * kDV * 4;     // fp32 K x V per region
+constexpr size_t kDuBytes = size_t(kC) * kDV * 4;         // fp32 C x V per region
+
+struct BwdWs {
+  size_t table = 0, regions = 0, tm = 0, states = 0, dsn = 0, du = 0, dqp = 0, dkp = 0, total = 0;
+};
+BwdWs bwd_ws_layout(const GdnBackwardParams& p) {
+  auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
+  const size_t N = static_cast<size_t>(num_seqs(p));
+  const size_t nreg = static_cast<size_t>(max_chunks(p)) * static_cast<size_t>(p.shape.num_v_heads);
+  const size_t ntok = static_cast<size_t>(p.shape.batch) * static_cast<size_t>(p.shape.seqlen);
+  const size_t part = up(ntok * static_cast<size_t>(p.shape.num_v_heads) * kDK * 4);
+  BwdWs w;
+  w.regions = up(4 * (N + 2));
+  w.tm = w.regions + nreg * kRegionBytes;
+  w.states = w.tm + nreg * kTmBytes;
+  w.dsn = w.states + nreg * kStateBytes;
+  w.du = w.dsn + nreg * kStateBytes;
+  w.dqp = w.du + nreg * kDuBytes;
+  w.dkp = w.dqp + part;
+  w.total = w.dkp + part;
+  return w;
+}
+
+Status bwd_check_supported(const GdnBackwardParams& p) {
+  auto ns = [](std::string m) { return Status::Error(StatusCode::kNotSupported, "sm90 backward: " + m); };
+  if (p.shape.head_dim_k != kDK || p.shape.head_dim_v != kDV)
+    return ns("only K = V = 128 is supported (got K = " + std::to_string(p.shape.head_dim_k) +
+              ", V = " + std::to_string(p.shape.head_dim_v) + ")");
+  const DType dq = p.q.dtype;
+  if (dq != DType::kBFloat16 && dq != DType::kFloat16)
+    return ns(std::string("q/k/v must be bf16 or fp16 (got ") + dt_name(dq) + ")");
+  for (DType d : {p.k.dtype, p.v.dtype, p.d_o.dtype, p.dq.dtype, p.dk.dtype, p.dv.dtype})
+    if (d != dq) return ns("q, k, v, do, dq, dk and dv must share one dtype");
+  for (DType d : {p.g.dtype, p.beta.dtype, p.dg.dtype, p.dbeta.dtype})
+    if (d != DType::kFloat32 && d != DType::kBFloat16 && d != DType::kFloat16)
+      return ns(std::string("g, beta, dg and dbeta must be fp32, bf16 or fp16 (got ") + dt_name(d) + ")");
+  if ((p.initial_state.data && p.initial_state.dtype != DType::kFloat32) ||
+      (p.d_final_state.data && p.d_final_state.dtype != DType::kFloat32) ||
+      (p.d_initial_state.data && p.d_initial_state.dtype != DType::kFloat32))
+    return ns("initial state, d_final_state and d_initial_state must be fp32");
+  for (const TensorRef* t : {&p.q, &p.k, &p.v, &p.d_o})
+    if (!aligned(t->data, 16) || t->stride[0] % 8 || t->stride[1] % 8 || t->stride[2] % 8)
+      return ns("q, k, v, do need 16-byte aligned data and strides that are multiples of 8 elements");
+  for (const MutTensorRef* t : {&p.dq, &p.dk})
+    if (!aligned(t->data, 8) || t->stride[0] % 4 || t->stride[1] % 4 || t->stride[2] % 4)
+      return ns("dq, dk need 8-byte aligned data and strides that are multiples of 4 elements");
+  if (!aligned(p.dv.data, 4) || p.dv.stride[0] % 2 || p.dv.stride[1] % 2 || p.dv.stride[2] % 2)
+    return ns("dv needs 4-byte aligned data and even strides");
+  if (num_seqs(p) > 2147483647LL / 4 || max_chunks(p) * p.shape.num_v_heads > 2147483647LL || p.shape.num_v_heads > 65535)
+    return ns("too many sequences, chunks or value heads for the sm90 grid");
+  DeviceInfo* dinfo = nullptr;
+  Status ds = device_info(&dinfo);
+  if (!ds.ok()) return ds;
+  if (dinfo->major != 9)
+    return ns("device is compute capability " + std::to_string(dinfo->major) + ".x, the sm90 backend needs 9.x");
+  return Status::Ok();
+}
+
+template <class T>
+Status bwd_launch(const GdnBackwardParams& p) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const BwdWs wl = bwd_ws_layout(p);
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  const int N = static_cast<int>(num_seqs(p));
+  const int H = static_cast<int>(p.shape.num_qk_heads), HV = static_cast<int>(p.shape.num_v_heads);
+  const int64_t mc = max_chunks(p);
+  if (N == 0) return Status::Ok();
+
+  DeviceInfo* dinfo = nullptr;
+  Status ds = device_info(&dinfo);
+  if (!ds.ok()) return ds;
+  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
+  if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
+                 "cudaFuncSetAttribute(gdn_prep)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
+                 "cudaFuncSetAttribute(gdn_bwd_reverse)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
+                 "cudaFuncSetAttribute(gdn_bwd_grads)");
+    __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
+  }
+
+  CUtensorMap tmq, tmk, tmv, tmdo;
+  Status ms = make_tile_map(&tmq, p.q, H, p.shape);
+  if (ms.ok()) ms = make_tile_map(&tmk, p.k, H, p.shape);
+  if (ms.ok()) ms = make_tile_map(&tmv, p.v, HV, p.shape);
+  if (ms.ok()) ms = make_tile_map(&tmdo, p.d_o, HV, p.shape);
+  if (!ms.ok()) return ms;
+
+  SeqDesc sd;
+  sd.cu = p.cu_seqlens.data;
+  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
+  sd.T = p.shape.seqlen;
+  int* table = reinterpret_cast<int*>(ws);
+  const int64_t nregions = mc * HV;
+
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
+
+  if (mc > 0) {  // 2. prep with Tm
+    PrepParams pp{};
+    pp.tmq = tmq;
+    pp.tmk = tmk;
+    pp.tmv = tmv;
+    pp.g = p.g.data;
+    pp.beta = p.beta.data;
+    for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
+    pp.g_dt = static_cast<int>(p.g.dtype);
+    pp.b_dt = static_cast<int>(p.beta.dtype);
+    pp.sd = sd;
+    pp.N = N;
+    pp.H = H;
+    pp.HV = HV;
+    pp.chunk_off = table;
+    pp.regions = ws + wl.regions;
+    pp.tm = ws + wl.tm;
+    pp.scale = static_cast<float>(p.scale);
+    const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (nregions + 1) / 2)));
+    gdn_prep<T><<<grid, 256, kPrepSmem, stream>>>(pp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
+  }
+
+  {  // 3. states entering every chunk
+    RecParams rp{};
+    rp.tmq = tmq;
+    rp.tmk = tmk;
+    rp.sd = sd;
+    rp.chunk_off = table;
+    rp.regions = ws + wl.regions;
+    rp.h0 = static_cast<const float*>(p.initial_state.data);
+    for (int i = 0; i < 3; ++i) rp.sh0[i] = p.initial_state.stride[i];
+    rp.vk = p.state_layout == StateLayout::kVK;
+    rp.N = N;
+    rp.H = H;
+    rp.HV = HV;
+    rp.prec = kPrecDefault;
+    rp.states = reinterpret_cast<float*>(ws + wl.states);
+    // The output is not needed: it goes to dv, which kernel 5 overwrites (every valid token).
+    rp.o = p.dv.data;
+    for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
+    gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
+  }
+
+  {  // 4. reverse chain
+    RevParams rv{};
+    rv.tmq = tmq;
+    rv.tmk = tmk;
+    rv.tmdo = tmdo;
+    rv.sd = sd;
+    rv.chunk_off = table;
+    rv.regions = ws + wl.regions;
+    rv.dht = static_cast<const float*>(p.d_final_state.data);
+    rv.dh0 = static_cast<float*>(p.d_initial_state.data);
+    for (int i = 0; i < 3; ++i) { rv.sdht[i] = p.d_final_state.stride[i]; rv.sdh0[i] = p.d_initial_state.stride[i]; }
+    rv.vk = p.state_layout == StateLayout::kVK;
+    rv.dsn = reinterpret_cast<float*>(ws + wl.dsn);
+    rv.du = reinterpret_cast<float*>(ws + wl.du);
+    rv.N = N;
+    rv.H = H;
+    rv.HV = HV;
+    gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 160, RevCfg::kSmem, stream>>>(rv);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_reverse");
+  }
+
+  if (nregions > 0) {  // 5. chunk-local gradients
+    GradParams gp{};
+    gp.q = p.q.data; gp.k = p.k.data; gp.v = p.v.data; gp.dO = p.d_o.data;
+    for (int i = 0; i < 3; ++i) {
+      gp.sq[i] = p.q.stride[i]; gp.sk[i] = p.k.stride[i]; gp.sv[i] = p.v.stride[i]; gp.sdo[i] = p.d_o.stride[i];
+      gp.sdv[i] = p.dv.stride[i];
+    }
+    gp.g = p.g.data; gp.beta = p.beta.data;
+    for (int i = 0; i < 2; ++i) {
+      gp.sg[i] = p.g.stride[i]; gp.sb[i] = p.beta.stride[i]; gp.sdg[i] = p.dg.stride[i]; gp.sdb[i] = p.dbeta.stride[i];
+    }
+    gp.g_dt = static_cast<int>(p.g.dtype);
+    gp.b_dt = static_cast<int>(p.beta.dtype);
+    gp.sd = sd;
+    gp.N = N; gp.H = H; gp.HV = HV;
+    gp.T = p.shape.seqlen;
+    gp.chunk_off = table;
+    gp.regions = ws + wl.regions;
+    gp.tm = ws + wl.tm;
+    gp.states = reinterpret_cast<const float*>(ws + wl.states);
+    gp.dsn = reinterpret_cast<const float*>(ws + wl.dsn);
+    gp.du = reinterpret_cast<const float*>(ws + wl.du);
+    gp.dqp = reinterpret_cast<float*>(ws + wl.dqp);
+    gp.dkp = reinterpret_cast<float*>(ws + wl.dkp);
+    gp.dv = p.dv.data;
+    gp.dg = p.dg.data;
+    gp.dg_dt = static_cast<int>(p.dg.dtype);
+    gp.dbeta = p.dbeta.data;
+    gp.db_dt = static_cast<int>(p.dbeta.dtype);
+    gp.scale = static_cast<float>(p.scale);
+    gdn_bwd_grads<T><<<static_cast<unsigned>(nregions), 128, kGradSmem, stream>>>(gp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_grads");
+  }
+
+  {  // 6. dq, dk group sums
+    FinishParams fp{};
+    fp.dqp = reinterpret_cast<const float*>(ws + wl.dqp);
+    fp.dkp = reinterpret_cast<const float*>(ws + wl.dkp);
+    fp.dq = p.dq.data;
+    fp.dk = p.dk.data;
+    for (int i = 0; i < 3; ++i) {
+      fp.sdq[i] = p.dq.stride[i]; fp.sdk[i] = p.dk.stride[i]; fp.sdv[i] = p.dv.stride[i]; fp.sdh0[i] = p.d_initial_state.stride[i];
+    }
+    fp.B = p.shape.batch;
+    fp.T = p.shape.seqlen;
+    fp.H = H; fp.HV = HV; fp.N = N;
+    fp.chunk_off = table;
+    fp.dv = p.dv.data;
+    fp.dg = p.dg.data;
+    fp.dbeta = p.dbeta.data;
+    for (int i = 0; i < 2; ++i) { fp.sdg[i] = p.dg.stride[i]; fp.sdb[i] = p.dbeta.stride[i]; }
+    fp.dg_dt = static_cast<int>(p.dg.dtype);
+    fp.db_dt = static_cast<int>(p.dbeta.dtype);
+    fp.dh0 = static_cast<float*>(p.d_initial_state.data);
+    const int64_t work = std::max<int64_t>(p.shape.batch * p.shape.seqlen * H * (kDK / 4), 1);
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
+    gdn_bwd_finish<T><<<grid, 256, 0, stream>>>(fp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_finish");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
+  if (!bytes) return Status::Error(StatusCode::kInvalidArgument, "sm90 backward: bytes is null");
+  *bytes = 0;
+  Status s = bwd_check_supported(p);
+  if (!s.ok()) return s;
+  *bytes = bwd_ws_layout(p).total;
+  return Status::Ok();
+}
+
+Status backward(const GdnBackwardParams& p) {
+  Status s = bwd_check_supported(p);
+  if (!s.ok()) return s;
+  const size_t need = bwd_ws_layout(p).total;
+  if (p.workspace_bytes < need || (need > 0 && p.workspace == nullptr))
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "sm90 backward: workspace too small (" + std::to_string(p.workspace_bytes) + " < " +
+                             std::to_string(need) + " bytes)");
+  if (!aligned(p.workspace, 16))
+    return Status::Error(StatusCode::kInvalidArgument, "sm90 backward: workspace must be 16-byte aligned");
+  if (p.q.dtype == DType::kBFloat16) return bwd_launch<cutlass::bfloat16_t>(p);
+  return bwd_launch<cutlass::half_t>(p);
+}
+
+}  // namespace sm90
+}  // namespace qla

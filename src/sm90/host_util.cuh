@@ -1,0 +1,121 @@
+// sm90 host helpers shared by the forward and backward translation units: CUDA error statuses,
+// the per-device facts cached once per process, and the q/k/v/dO tensor maps.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "qla/qla.h"
+#include "common.cuh"
+
+namespace qla {
+namespace sm90 {
+// Anonymous: each translation unit keeps its own cache (its kernels' shared-memory opt-ins).
+namespace {
+
+Status cuda_err(cudaError_t e, const char* what) {
+  return Status::Error(StatusCode::kCudaError, std::string("sm90: ") + what + ": " + cudaGetErrorString(e));
+}
+#define QLA_CUDA_TRY(expr, what)                      \
+  do {                                                \
+    cudaError_t e_ = (expr);                          \
+    if (e_ != cudaSuccess) return cuda_err(e_, what); \
+  } while (0)
+
+// Per-device facts queried once (the eager path calls the op every few microseconds):
+// compute capability major, SM count, and whether the kernels' shared-memory opt-in is set.
+struct DeviceInfo {
+  int major = 0, sms = 0;
+  bool smem_ready[2] = {false, false};  // [bf16, fp16]
+};
+constexpr int kMaxDevices = 64;
+DeviceInfo g_devices[kMaxDevices];
+std::mutex g_devices_mu;
+
+Status device_info(DeviceInfo** out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess)
+    return Status::Error(StatusCode::kNotSupported, std::string("sm90: no CUDA device: ") + cudaGetErrorString(e));
+  if (dev < 0 || dev >= kMaxDevices) return Status::Error(StatusCode::kNotSupported, "sm90: device index out of range");
+  DeviceInfo& d = g_devices[dev];
+  if (__atomic_load_n(&d.sms, __ATOMIC_ACQUIRE) == 0) {
+    std::lock_guard<std::mutex> lock(g_devices_mu);
+    if (d.sms == 0) {
+      int major = 0, sms = 0;
+      e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+      if (e != cudaSuccess)
+        return Status::Error(StatusCode::kNotSupported,
+                             std::string("sm90: cannot query the CUDA device: ") + cudaGetErrorString(e));
+      d.major = major;
+      __atomic_store_n(&d.sms, sms, __ATOMIC_RELEASE);
+    }
+  }
+  *out = &d;
+  return Status::Ok();
+}
+
+// Sequences, and an upper bound on the total chunk count from shapes only (forward or backward params).
+template <class P>
+int64_t num_seqs(const P& p) { return p.cu_seqlens.data ? p.num_seqs : p.shape.batch; }
+template <class P>
+int64_t max_chunks(const P& p) {
+  const int64_t T = p.shape.seqlen;
+  if (p.cu_seqlens.data) return T / kC + p.num_seqs;  // sum ceil(l/64) <= floor(T/64) + N
+  return p.shape.batch * ((T + kC - 1) / kC);
+}
+
+const char* dt_name(DType d) {
+  switch (d) {
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat32: return "fp32";
+    case DType::kFloat64: return "fp64";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  return "?";
+}
+
+bool aligned(const void* ptr, size_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
+
+// Tensor map of a 16-bit [B, T, heads, 128] tensor (q, k, v or dO) as (d, head, token, batch)
+// with a (64, 1, 64, 1) box and 128-byte swizzle: one box is one K-block (64 tokens x 64 d) of a
+// GMMA tile. The driver entry point comes through the runtime (no libcuda link).
+Status make_tile_map(CUtensorMap* map, const TensorRef& t, int64_t heads, const GdnShape& shape) {
+  *map = CUtensorMap{};
+  if (shape.seqlen == 0 || shape.batch == 0) return Status::Ok();  // never read
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;    // benign race: same value
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+      return cuda_err(e != cudaSuccess ? e : cudaErrorNotSupported, "cuTensorMapEncodeTiled entry point");
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDK), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(shape.seqlen), static_cast<cuuint64_t>(shape.batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride[2]) * 2, static_cast<cuuint64_t>(t.stride[1]) * 2,
+                                 static_cast<cuuint64_t>(t.stride[0]) * 2};
+  const cuuint32_t box[4] = {64, 1, kC, 1};
+  const cuuint32_t estride[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, t.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            4, const_cast<void*>(t.data), dims, strides, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "sm90: cuTensorMapEncodeTiled failed for a 16-bit input (error " + std::to_string(int(r)) + ")");
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
