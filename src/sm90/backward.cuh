@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   Tensor cc = mma_kk128.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _128>{}));
   Tensor c64 = mma_kk64.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _64>{}));
   Tensor tK = img(sK);
-  float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f};  // a_i, x_i, dbeta_i of my two rows
+  // a_i, x_i, dbeta_i of my two rows (quad-reduced) and my partial row sums of R (not yet).
+  float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f}, rR[2] = {0.f, 0.f};
   const int r0 = 16 * warp + (lane >> 2);
   auto img_off = [&](int r, int c) { return static_cast<int>(&tQ(r, c) - sQ); };
 
@@ -523,7 +524,7 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
         rr[e] = r > cj ? dp * (e ? ph.y + pl.y : ph.x + pl.x) : 0.f;
       }
       *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
-      aR[(r >> 3) & 1] += rr[0] + rr[1];
+      rR[(r >> 3) & 1] += rr[0] + rr[1];
       atomicAdd(&sColR[c], rr[0]);
       atomicAdd(&sColR[c + 1], rr[1]);
     }
@@ -680,7 +681,7 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
         dm[e] = E * dl;
       }
       *reinterpret_cast<uint32_t*>(sdM + static_cast<int>(&tM(r, c) - sdM)) = pack2<T>(dm[0], dm[1]);
-      aR[(r >> 3) & 1] += rr[0] + rr[1];
+      rR[(r >> 3) & 1] += rr[0] + rr[1];
       atomicAdd(&sColR[c], rr[0]);
       atomicAdd(&sColR[c + 1], rr[1]);
     }
@@ -729,11 +730,16 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   __syncthreads();  // sColR complete, sRed partials written
   float* sA = reinterpret_cast<float*>(sm + kGdA);  // dM is dead: 2 x 64 floats of scratch
   float* sXr = sA + 64;
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 1);
+    rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 2);
+  }
   if ((lane & 3) == 0) {
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
-      sA[r] = aR[h] - sColR[r];
+      sA[r] = aR[h] + rR[h] - sColR[r];
       sXr[r] = xR[h];
       if (r < len) store_f(p.dbeta, p.db_dt, b * p.sdb[0] + (t0 + r) * p.sdb[1] + hv, dbR[h]);
     }
