@@ -33,8 +33,9 @@ def main():
     gen = torch.Generator().manual_seed(0)
     H, HV = (int(x) for x in args.heads.split("/"))
     for lay in args.layouts.split(","):
-        L, n = (int(x) for x in lay.split("x"))
-        q, k, v, g, beta, do, cu = inputs(H, HV, [L] * n, gen)
+        a, c = (int(x) for x in lay.split("x"))
+        lens = [c] if a == 1 else [a] * c  # "1x32768": one sequence; "8192x4": four of 8192
+        q, k, v, g, beta, do, cu = inputs(H, HV, lens, gen)
         fn = lambda: qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, cu_seqlens=cu)
         for _ in range(3):
             fn()
@@ -46,7 +47,7 @@ def main():
         tot = defaultdict(float)
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                name = e.name.split("(")[0].split("<")[0].replace("void ", "")
+                name = e.name.replace("(anonymous namespace)::", "").replace("void ", "").split("(")[0]
                 tot[name] += e.device_time / 5.0 / 1000.0
         print(f"== {args.heads} {lay}: per-kernel ms per call")
         for name, t in sorted(tot.items(), key=lambda x: -x[1]):
