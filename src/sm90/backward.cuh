@@ -18,16 +18,6 @@ namespace {
 
 using namespace cute;
 
-// More views of the swizzled images (same bytes as Lay<T>'s tiles, other majors).
-template <class T>
-struct BwdLay {
-  using KAtom = GMMA::Layout_K_SW128_Atom<T>;
-  using MNAtom = GMMA::Layout_MN_SW128_Atom<T>;
-  using TokTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _64>{}));                   // (j, i) of an (i, j) image
-  using DD_K = decltype(tile_to_shape(KAtom{}, Shape<_128, _128>{}));                      // state (d, v), v contiguous
-  using DD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _128>{}, Step<_2, _1>{}));    // the same bytes as (v, d)
-};
-
 // One synchronous wgmma batch acc (+)= A B over the whole K extent (smem operands).
 template <class MMA, class TA, class TB, class Acc>
 __device__ __forceinline__ void mma_ss(MMA& mma, int tid, const TA& sA, const TB& sB, Acc& acc, bool accumulate) {
@@ -65,8 +55,8 @@ struct RevParams {
   float* dh0;
   int64_t sdh0[3];
   int vk;
-  float* dsn;  // [region][K][V]
-  float* du;   // [region][tok][V]
+  void* dsn;  // [region] 16-bit DD_K image of dSn (32 KiB)
+  void* du;   // [region] 16-bit TokD_K image of -dU (16 KiB)
   int N, H, HV;
 };
 
@@ -90,8 +80,7 @@ template <class T>
 __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant__ RevParams p) {
   constexpr int VT = kRevVT;
   using L = Lay<T>;
-  using BL = BwdLay<T>;
-  using RL = RecLay<T, VT>;
+    using RL = RecLay<T, VT>;
   using Cfg = RevCfg;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = static_cast<uint8_t*>(
@@ -189,7 +178,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
     T* base = reinterpret_cast<T*>(stb);
     T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    store_chunk_state(p.dsn, p.HV, ci, hv, v0, accS, cS);               // dSn of chunk c
+    store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS);            // dSn of chunk c
     mbar_wait(&full[st], (it / kStages) & 1);
 
     // diag(scale e^gamma) dO as hi/lo (v, tok) images: pairs of adjacent v.
@@ -213,8 +202,8 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
     Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
     Tensor rQt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStQ)), typename L::DTok_MN{}));
     Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::DTok_MN{}));
-    Tensor rPh = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename BL::TokTok_MN{}));
-    Tensor rPl = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename BL::TokTok_MN{}));
+    Tensor rPh = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_MN{}));
+    Tensor rPl = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_MN{}));
     Tensor rO = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{}));
 
     // Batch 1: accU = K dSn (hi + lo), accP = P^T dO (P hi + lo), accS = e^Gamma dSn + Q^T dOg.
@@ -251,16 +240,17 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
     warpgroup_fence_operand(accP);
     warpgroup_fence_operand(accS);
 
-    // dU = gk (K dSn) + P^T dO: fp32 to the workspace, -dU as hi/lo images.
-    float* dug = p.du + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV) + v0;
+    // dU = gk (K dSn) + P^T dO: -dU as hi/lo images here and as a 16-bit image (tok, v) for kernel 5.
+    T* dug = static_cast<T*>(p.du) + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV);
+    const typename L::TokD_K tokd{};
     CUTE_UNROLL
     for (int i = 0; i < size(accU); i += 2) {
       const int r = get<0>(cU(i)), v = get<1>(cU(i));
       const float gk = sG[kC + r];
       const float d0 = gk * accU(i) + accP(i), d1 = gk * accU(i + 1) + accP(i + 1);
-      *reinterpret_cast<float2*>(dug + r * kDV + v) = make_float2(d0, d1);
       uint32_t h, l;
       split_pair<T>(-d0, -d1, h, l);
+      *reinterpret_cast<uint32_t*>(dug + tokd(r, v0 + v)) = h;
       const int off = static_cast<int>(&tU(v, r) - sUh);
       *reinterpret_cast<uint32_t*>(sUh + off) = h;
       *reinterpret_cast<uint32_t*>(sUl + off) = l;
@@ -288,10 +278,11 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
 // ---------------------------------------------------------------------------------------------
 // 4. Chunk-local gradients, one CTA (one warpgroup) per (chunk, value head). All products are
 //    wgmma on 16-bit images in shared memory (hi only), fp32 accumulators; see (B15)-(B33).
+//    Every tile arrives by TMA or bulk copy, issued up front (dSn and V once their slots are
+//    free), so the loads overlap the first products instead of serialising on their latency.
 // ---------------------------------------------------------------------------------------------
 struct GradParams {
-  const void *q, *k, *v, *dO;
-  int64_t sq[3], sk[3], sv[3], sdo[3];
+  CUtensorMap tmq, tmk, tmv, tmdo;  // (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
   const void *g, *beta;
   int64_t sg[2], sb[2];
   int g_dt, b_dt;
@@ -300,8 +291,10 @@ struct GradParams {
   int64_t T;  // tokens per batch row (partials are [B * T][HV][K])
   const int* chunk_off;
   const void* regions;
-  const void* tm;
-  const float *states, *dsn, *du;
+  const void* tm;      // Tm hi|lo images per region
+  const void* states;  // S image per region (DD_K)
+  const void* dsn;     // dSn image per region (DD_K)
+  const void* du;      // -dU image per region (TokD_K)
   float *dqp, *dkp;
   void* dv;
   int64_t sdv[3];
@@ -314,13 +307,26 @@ struct GradParams {
   float scale;
 };
 
-// Shared memory (byte offsets from the 1 KiB aligned base); buffers are reused once dead.
-constexpr uint32_t kGQ = 0, kGK = 16384, kGO = 32768 /* dO, then Uv */, kGS = 49152 /* S, then dSn (32 KiB) */;
-constexpr uint32_t kGW = 81920, kGU = 98304 /* U, then dVb */, kGX = 114688 /* X, then diag(beta) K */;
-constexpr uint32_t kGdU = 131072, kGdW = 147456, kGdKb = 163840, kGTm = 180224, kGdA = 188416 /* dA, then dM */;
-constexpr uint32_t kGMisc = 196608;  // gamma[64], beta[64], column sums of R [64], reduction scratch
-constexpr size_t kGradSmem = 1024 + kGMisc + 4 * 64 * 4 + 64;
+// Shared-memory slots (byte offsets from the 1 KiB aligned base) and what they hold, in order.
+constexpr uint32_t kGsA = 0;         // Q                -> dW
+constexpr uint32_t kGsB = 16384;     // K
+constexpr uint32_t kGsC = 32768;     // dO -> V          -> dM (8 KiB)
+constexpr uint32_t kGsE = 49152;     // S (32 KiB)
+constexpr uint32_t kGsG = 81920;     // W
+constexpr uint32_t kGsH = 98304;     // P hi|lo          -> dVb
+constexpr uint32_t kGsI = 114688;    // Uv fp32 (32 KiB) -> dSn (32 KiB)
+constexpr uint32_t kGsJ = 147456;    // -dU              -> diag(beta) K
+constexpr uint32_t kGsK = 163840;    // Tm hi (8 KiB)
+constexpr uint32_t kGsL = 172032;    // U -> dA (8 KiB)  -> dKb
+constexpr uint32_t kGsM = 188416;    // X
+constexpr uint32_t kGsN = 204800;    // Uv image
+constexpr uint32_t kGsMisc = 221184; // gamma, beta, column sums of R, a, x [64 floats each], 16 floats, 3 mbarriers
+constexpr uint32_t kGradTx0 = 3 * kQKBytes + 2 * kImgTokD * 2 /* S */ + kImgTokD * 2 /* W */ +
+                              2 * kImgTokTok * 2 /* P */ + kC * kDV * 4 /* Uv */ + kImgTokD * 2 /* -dU */ +
+                              kImgTokTok * 2 /* Tm */;
+constexpr size_t kGradSmem = 1024 + kGsMisc + 5 * 64 * 4 + 64 + 3 * 8;
 static_assert(kGradSmem <= 232448, "grads smem over the 227 KiB limit");
+static_assert(kGsB - kGsA == kQKBytes && kGsI + 32768 == kGsJ && kGsK + 8192 == kGsL, "slot sizes");
 
 __device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
   if (dt == static_cast<int>(DType::kFloat32)) static_cast<float*>(p)[i] = x;
@@ -328,15 +334,16 @@ __device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
   else static_cast<cutlass::half_t*>(p)[i] = cutlass::half_t(x);
 }
 
-// Per-thread partial row dots <acc_r, X_r> for the thread's two rows (r0 = 16 warp + lane/4 and
-// r0 + 8), summed over the quad that holds each row. X(r, c) reads a 16-bit image.
-template <class Acc, class Coord, class Img>
+// Row dots <acc_r, X_r> for the thread's two rows (r0 = 16 warp + lane/4 and r0 + 8), summed
+// over the quad that holds each row. X is a 16-bit image; accumulator pairs are adjacent columns.
+template <class T, class Acc, class Coord, class Img>
 __device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const Img& X) {
   float s[2] = {0.f, 0.f};
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
+  for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(cc(i)), c = get<1>(cc(i));
-    s[(r >> 3) & 1] += acc(i) * float(X(r, c));
+    const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(&X(r, c)));
+    s[(r >> 3) & 1] += acc(i) * x.x + acc(i + 1) * x.y;
   }
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
@@ -349,7 +356,6 @@ __device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const
 template <class T>
 __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ GradParams p) {
   using L = Lay<T>;
-  using BL = BwdLay<T>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
@@ -357,26 +363,33 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   const int reg = blockIdx.x, ci = reg / p.HV, hv = reg % p.HV;
   if (p.chunk_off[p.N + 1] || ci >= p.chunk_off[p.N]) return;
 
-  T* sQ = reinterpret_cast<T*>(sm + kGQ);
-  T* sK = reinterpret_cast<T*>(sm + kGK);
-  T* sO = reinterpret_cast<T*>(sm + kGO);
-  T* sUv = sO;
-  T* sS = reinterpret_cast<T*>(sm + kGS);
-  T* sW = reinterpret_cast<T*>(sm + kGW);
-  T* sU = reinterpret_cast<T*>(sm + kGU);
-  T* sdVb = sU;
-  T* sX = reinterpret_cast<T*>(sm + kGX);
-  T* sBK = sX;
-  T* sdU = reinterpret_cast<T*>(sm + kGdU);
-  T* sdW = reinterpret_cast<T*>(sm + kGdW);
-  T* sdKb = reinterpret_cast<T*>(sm + kGdKb);
-  T* sTm = reinterpret_cast<T*>(sm + kGTm);
-  T* sdA = reinterpret_cast<T*>(sm + kGdA);
-  T* sdM = sdA;
-  float* sGam = reinterpret_cast<float*>(sm + kGMisc);
+  T* sQ = reinterpret_cast<T*>(sm + kGsA);
+  T* sdW = sQ;
+  T* sK = reinterpret_cast<T*>(sm + kGsB);
+  T* sO = reinterpret_cast<T*>(sm + kGsC);
+  T* sV = sO;
+  T* sdM = sO;
+  T* sS = reinterpret_cast<T*>(sm + kGsE);
+  T* sW = reinterpret_cast<T*>(sm + kGsG);
+  T* sP = reinterpret_cast<T*>(sm + kGsH);
+  T* sdVb = sP;
+  const float* sUv32 = reinterpret_cast<const float*>(sm + kGsI);
+  T* sdS = reinterpret_cast<T*>(sm + kGsI);
+  T* sndU = reinterpret_cast<T*>(sm + kGsJ);  // -dU
+  T* sBK = sndU;
+  T* sTm = reinterpret_cast<T*>(sm + kGsK);
+  T* sU = reinterpret_cast<T*>(sm + kGsL);
+  T* sdA = sU;
+  T* sdKb = sU;
+  T* sX = reinterpret_cast<T*>(sm + kGsM);
+  T* sUvi = reinterpret_cast<T*>(sm + kGsN);
+  float* sGam = reinterpret_cast<float*>(sm + kGsMisc);
   float* sBeta = sGam + 64;
   float* sColR = sBeta + 64;
-  float* sRed = sColR + 64;  // [0]: e^Gamma <dSn, S>; [4..7] per-warp partials
+  float* sA = sColR + 64;
+  float* sXr = sA + 64;
+  float* sRed = sXr + 64;  // [0..3]: per-warp partials of <dSn, S>
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sRed + 16);  // [0]: first loads, [1]: dSn, [2]: V
 
   // The chunk's sequence (largest n with off[n] <= ci skips zero-length sequences).
   int lo = 0, hi = p.N - 1;
@@ -390,12 +403,31 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   t0 += cstart;
   const int len = static_cast<int>(min<int64_t>(kC, slen - cstart));
   const int hq = hv / (p.HV / p.H);
+  const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
   const size_t region = static_cast<size_t>(ci) * p.HV + hv;
   const uint8_t* regb = static_cast<const uint8_t*>(p.regions) + region * kRegionBytes;
-  const float* uvg = reinterpret_cast<const float*>(regb + kF32Off) + kFU;  // Uv [V/32][tok][32]
-  const T* Ag = reinterpret_cast<const T*>(regb) + kOffAh;                   // P hi | lo images
 
-  // gamma (cumsum of g over the valid rows; padding g = 0, beta = 0).
+  // Rows of the TMA tiles past the sequence end hold the next sequence's tokens: every product
+  // below either meets a zero there (beta, the gates, U, dU, W and the A rows are zero on
+  // padding) or is masked (dA and R rows), and no output row past the end is stored.
+  if (tid == 0) {
+    for (int i = 0; i < 3; ++i) mbar_init(&bar[i], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_expect_tx(&bar[0], kGradTx0);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      tma_load_4d(sm + kGsA + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &bar[0]);
+      tma_load_4d(sm + kGsB + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &bar[0]);
+      tma_load_4d(sm + kGsC + h * kQKBytes / 2, &p.tmdo, h * 64, hv, tok, bb, &bar[0]);
+    }
+    bulk_g2s(sS, static_cast<const T*>(p.states) + region * (kDK * kDV), kDK * kDV * 2, &bar[0]);
+    bulk_g2s(sW, regb + kOffWh * sizeof(T), kImgTokD * 2, &bar[0]);
+    bulk_g2s(sP, regb + kOffAh * sizeof(T), 2 * kImgTokTok * 2, &bar[0]);
+    bulk_g2s(sm + kGsI, regb + kF32Off + kFU * 4, kC * kDV * 4, &bar[0]);
+    bulk_g2s(sndU, static_cast<const T*>(p.du) + region * (kC * kDV), kImgTokD * 2, &bar[0]);
+    bulk_g2s(sTm, static_cast<const T*>(p.tm) + region * (2 * kImgTokTok), kImgTokTok * 2, &bar[0]);
+  }
+  // gamma (cumsum of g over the valid rows; padding g = 0, beta = 0) while the loads fly.
   if (tid < kC) {
     float gv = 0.f, bv = 0.f;
     if (tid < len) {
@@ -414,120 +446,75 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
   __syncthreads();
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
-
-  Tensor tQ = make_tensor(make_smem_ptr(sQ), typename L::TokD_K{});  // offsets of every (tok, d) image
-  // Q, K, dO tiles (rows past the sequence end = 0), 16-byte units.
-  {
-    const T* qg = static_cast<const T*>(p.q) + b * p.sq[0] + hq * p.sq[2];
-    const T* kg = static_cast<const T*>(p.k) + b * p.sk[0] + hq * p.sk[2];
-    const T* og = static_cast<const T*>(p.dO) + b * p.sdo[0] + static_cast<int64_t>(hv) * p.sdo[2];
-    CUTE_UNROLL
-    for (int k = 0; k < 8; ++k) {
-      const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
-      const int off = static_cast<int>(&tQ(r, c8) - sQ);
-      uint4 xq = make_uint4(0, 0, 0, 0), xk = xq, xo = xq;
-      if (r < len) {
-        const int64_t t = t0 + r;
-        xq = *reinterpret_cast<const uint4*>(qg + t * p.sq[1] + c8);
-        xk = *reinterpret_cast<const uint4*>(kg + t * p.sk[1] + c8);
-        xo = *reinterpret_cast<const uint4*>(og + t * p.sdo[1] + c8);
-      }
-      *reinterpret_cast<uint4*>(sQ + off) = xq;
-      *reinterpret_cast<uint4*>(sK + off) = xk;
-      *reinterpret_cast<uint4*>(sO + off) = xo;
-      // W (the region's image has this very layout) and dU (fp32 -> 16-bit).
-      *reinterpret_cast<uint4*>(sW + off) = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(regb) + kOffWh + off);
-      const float* dug = p.du + region * (kC * kDV) + r * kDV + c8;
-      const float4 a = *reinterpret_cast<const float4*>(dug), c = *reinterpret_cast<const float4*>(dug + 4);
-      *reinterpret_cast<uint4*>(sdU + off) =
-          make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c.x, c.y), pack2<T>(c.z, c.w));
-    }
-    // Tm hi image (8 KiB).
-    const T* tmg = static_cast<const T*>(p.tm) + region * (2 * kImgTokTok);
-    CUTE_UNROLL
-    for (int k = 0; k < 4; ++k) {
-      const int u = tid + 128 * k;
-      reinterpret_cast<uint4*>(sTm)[u] = reinterpret_cast<const uint4*>(tmg)[u];
-    }
-  }
-  Tensor tS = make_tensor(make_smem_ptr(sS), typename BL::DD_K{});  // (d, v)
-  auto load_state_image = [&](const float* src) {
-    CUTE_UNROLL
-    for (int k = 0; k < 16; ++k) {
-      const int u = tid + 128 * k, d = u >> 4, v8 = (u & 15) * 8;
-      const float4 a = *reinterpret_cast<const float4*>(src + d * kDV + v8);
-      const float4 c = *reinterpret_cast<const float4*>(src + d * kDV + v8 + 4);
-      *reinterpret_cast<uint4*>(sS + (&tS(d, v8) - sS)) =
-          make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(c.x, c.y), pack2<T>(c.z, c.w));
-    }
-  };
-  const float* Sg = p.states + region * (kDK * kDV);
-  const float* dSg = p.dsn + region * (kDK * kDV);
-  load_state_image(Sg);
-  fence_async_smem();
   __syncthreads();
+  const float gl = sGam[len - 1];
 
-  const float gl = sGam[len > 0 ? len - 1 : 0];
   auto mma_kmn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
   auto mma_kk128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
   auto mma_mn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
   auto mma_kk64 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
-  auto img = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokD_K{}); };       // (tok, d|v)
-  auto imgT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DTok_MN{}); };     // (d|v, tok)
-  auto tt = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_K{}); };      // (i, j)
-  auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::TokTok_MN{}); };   // (j, i)
-  auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::DD_K{}); };         // (d, v)
-  auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename BL::DD_MN{}); };       // (v, d)
+  auto img = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokD_K{}); };     // (tok, d|v)
+  auto imgT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DTok_MN{}); };   // (d|v, tok)
+  auto tt = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_K{}); };    // (i, j)
+  auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_MN{}); };  // (j, i)
+  auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_K{}); };        // (d, v)
+  auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_MN{}); };      // (v, d)
+  const typename L::TokD_K tokd{};
+  const typename L::TokTok_K toktok{};
   Tensor acc = partition_fragment_C(mma_kk128, Shape<_64, _128>{});   // scratch 64 x 128
   Tensor accK = partition_fragment_C(mma_kk128, Shape<_64, _128>{});  // dK
   Tensor acc64 = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
   Tensor cc = mma_kk128.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _128>{}));
   Tensor c64 = mma_kk64.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _64>{}));
-  Tensor tK = img(sK);
   // a_i, x_i, dbeta_i of my two rows (quad-reduced) and my partial row sums of R (not yet).
   float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f}, rR[2] = {0.f, 0.f};
   const int r0 = 16 * warp + (lane >> 2);
-  auto img_off = [&](int r, int c) { return static_cast<int>(&tQ(r, c) - sQ); };
+  mbar_wait(&bar[0], 0);
 
-  // (B15) U = Uv - W S; U and X = diag(e^(Gamma-gamma)) U as 16-bit images.
+  // (B15) U = Uv - W S; U, X = diag(e^(Gamma-gamma)) U and Uv as 16-bit images.
   mma_ss(mma_kmn128, tid, img(sW), ddT(sS), acc, false);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(cc(i)), c = get<1>(cc(i));
-    const float2 u2 = *reinterpret_cast<const float2*>(uvg + (c / kUT) * (kC * kUT) + u_index(r, c % kUT));
+    const float2 u2 = *reinterpret_cast<const float2*>(sUv32 + (c / kUT) * (kC * kUT) + u_index(r, c % kUT));
     const float x0 = u2.x - acc(i), x1 = u2.y - acc(i + 1);
     const float gk = r < len ? expf(gl - sGam[r]) : 0.f;
-    const int off = img_off(r, c);
+    const int off = tokd(r, c);
     *reinterpret_cast<uint32_t*>(sU + off) = pack2<T>(x0, x1);
     *reinterpret_cast<uint32_t*>(sX + off) = pack2<T>(gk * x0, gk * x1);
+    *reinterpret_cast<uint32_t*>(sUvi + off) = pack2<T>(u2.x, u2.y);
   }
   fence_async_smem();
   __syncthreads();
+  if (tid == 0) {  // Uv fp32 is dead: dSn takes its slot
+    mbar_expect_tx(&bar[1], kDK * kDV * 2);
+    bulk_g2s(sdS, static_cast<const T*>(p.dsn) + region * (kDK * kDV), kDK * kDV * 2, &bar[1]);
+  }
 
-  // (B16, B17, B30) dP = dO U^T; dA = scale causal(E o dP); R1 = strict(dP o P).
+  // (B16, B17, B30) dP = dO U^T; dA = scale causal(E o dP), R1 = strict(dP o P) (rows < len).
   mma_ss(mma_kk64, tid, img(sO), img(sU), acc64, false);
-  {
-    Tensor tA = tt(sdA);
+  __syncthreads();  // U is dead: dA takes its slot
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc64); i += 2) {
+    const int r = get<0>(c64(i)), c = get<1>(c64(i));
+    const int off = toktok(r, c);
+    const float2 ph = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + off));
+    const float2 pl = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + kImgTokTok + off));
+    const float pv[2] = {ph.x + pl.x, ph.y + pl.y};
+    float da[2], rr[2];
     CUTE_UNROLL
-    for (int i = 0; i < size(acc64); i += 2) {
-      const int r = get<0>(c64(i)), c = get<1>(c64(i));
-      const int off = static_cast<int>(&tA(r, c) - sdA);
-      const float2 ph = unpack2<T>(*reinterpret_cast<const uint32_t*>(Ag + off));
-      const float2 pl = unpack2<T>(*reinterpret_cast<const uint32_t*>(Ag + kImgTokTok + off));
-      float da[2], rr[2];
-      CUTE_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int cj = c + e;
-        const float E = r >= cj ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
-        const float dp = acc64(i + e);
-        da[e] = p.scale * E * dp;
-        rr[e] = r > cj ? dp * (e ? ph.y + pl.y : ph.x + pl.x) : 0.f;
-      }
-      *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
-      rR[(r >> 3) & 1] += rr[0] + rr[1];
-      atomicAdd(&sColR[c], rr[0]);
-      atomicAdd(&sColR[c + 1], rr[1]);
+    for (int e = 0; e < 2; ++e) {
+      const int cj = c + e;
+      const bool causal = r < len && r >= cj;
+      const float E = causal ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
+      const float dp = acc64(i + e);
+      da[e] = p.scale * E * dp;
+      rr[e] = causal && r > cj ? dp * pv[e] : 0.f;
     }
+    *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
+    rR[(r >> 3) & 1] += rr[0] + rr[1];
+    atomicAdd(&sColR[c], rr[0]);
+    atomicAdd(&sColR[c + 1], rr[1]);
   }
   fence_async_smem();
   __syncthreads();
@@ -540,7 +527,7 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
     acc(i) *= r < len ? p.scale * expf(sGam[r]) : 0.f;
   }
   {
-    const float2 a1 = row_dot(acc, cc, tQ);
+    const float2 a1 = row_dot<T>(acc, cc, img(sQ));
     aR[0] += a1.x;
     aR[1] += a1.y;
   }
@@ -553,104 +540,65 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
       if (r < len) *reinterpret_cast<float2*>(dq + static_cast<int64_t>(r) * p.HV * kDK + c) = make_float2(acc(i), acc(i + 1));
     }
   }
-  __syncthreads();  // dO is dead: its bytes take the Uv image
-  CUTE_UNROLL
-  for (int k = 0; k < 8; ++k) {
-    const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
-    const float* src = uvg + (c8 / kUT) * (kC * kUT);
-    uint4 x;
-    uint32_t* px = &x.x;
+  __syncthreads();  // dO is dead (last read by dO S^T): V takes its slot
+  if (tid == 0) {
+    fence_async_smem();
+    mbar_expect_tx(&bar[2], kQKBytes);
     CUTE_UNROLL
-    for (int e = 0; e < 8; e += 2) {
-      const float2 u2 = *reinterpret_cast<const float2*>(src + u_index(r, (c8 + e) % kUT));
-      px[e / 2] = pack2<T>(u2.x, u2.y);
-    }
-    *reinterpret_cast<uint4*>(sUv + img_off(r, c8)) = x;
+    for (int h = 0; h < 2; ++h) tma_load_4d(sm + kGsC + h * kQKBytes / 2, &p.tmv, h * 64, hv, tok, bb, &bar[2]);
   }
 
   // (B19) dK = dA^T Q.
   mma_ss(mma_mn128, tid, ttT(sdA), imgT(sQ), accK, false);
-  // (B21) dW = -dU S^T as an image.
-  mma_ss(mma_kk128, tid, img(sdU), dd(sS), acc, false);
+  // (B21) dW = -dU S^T (the slot holds -dU).
+  mma_ss(mma_kk128, tid, img(sndU), dd(sS), acc, false);
+  __syncthreads();  // Q is dead: dW takes its slot
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(cc(i)), c = get<1>(cc(i));
-    *reinterpret_cast<uint32_t*>(sdW + img_off(r, c)) = pack2<T>(-acc(i), -acc(i + 1));
-  }
-  __syncthreads();  // S is dead: its bytes take dSn; e^Gamma <dSn, S> on the way
-  {
-    float part = 0.f;
-    CUTE_UNROLL
-    for (int k = 0; k < 16; ++k) {
-      const int u = tid + 128 * k, d = u >> 4, v8 = (u & 15) * 8;
-      const float4 a = *reinterpret_cast<const float4*>(Sg + d * kDV + v8);
-      const float4 c = *reinterpret_cast<const float4*>(Sg + d * kDV + v8 + 4);
-      const float4 x = *reinterpret_cast<const float4*>(dSg + d * kDV + v8);
-      const float4 y = *reinterpret_cast<const float4*>(dSg + d * kDV + v8 + 4);
-      part += a.x * x.x + a.y * x.y + a.z * x.z + a.w * x.w + c.x * y.x + c.y * y.y + c.z * y.z + c.w * y.w;
-      *reinterpret_cast<uint4*>(sS + (&tS(d, v8) - sS)) =
-          make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-    }
-    CUTE_UNROLL
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) sRed[4 + warp] = part;
+    *reinterpret_cast<uint32_t*>(sdW + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
   }
   fence_async_smem();
   __syncthreads();
 
-  // (B20, B32) dK_d = X dSn^T; x_i = <dK_d_i, K_i>.
-  mma_ss(mma_kk128, tid, img(sX), dd(sS), acc, false);
-  {
-    const float2 x = row_dot(acc, cc, tK);
-    xR[0] += x.x;
-    xR[1] += x.y;
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) accK(i) += acc(i);
-
   // (B23, B24, B29) dVb = Tm^T dU; dv = diag(beta) dVb; dbeta_i += <dVb_i, V_i>.
-  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sdU), acc, false);
+  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sndU), acc, false);  // = -dVb
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) acc(i) = -acc(i);
+  mbar_wait(&bar[2], 0);
   {
-    const T* vg = static_cast<const T*>(p.v) + b * p.sv[0] + static_cast<int64_t>(hv) * p.sv[2];
+    const float2 d1 = row_dot<T>(acc, cc, img(sV));
+    dbR[0] += d1.x;
+    dbR[1] += d1.y;
     T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2];
-    float s[2] = {0.f, 0.f};
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int r = get<0>(cc(i)), c = get<1>(cc(i));
-      *reinterpret_cast<uint32_t*>(sdVb + img_off(r, c)) = pack2<T>(acc(i), acc(i + 1));
+      *reinterpret_cast<uint32_t*>(sdVb + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
       if (r < len) {
-        const int64_t t = t0 + r;
-        const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(vg + t * p.sv[1] + c));
-        s[(r >> 3) & 1] += acc(i) * v2.x + acc(i + 1) * v2.y;
         const float br = sBeta[r];
-        *reinterpret_cast<uint32_t*>(dvg + t * p.sdv[1] + c) = pack2<T>(br * acc(i), br * acc(i + 1));
+        *reinterpret_cast<uint32_t*>(dvg + (t0 + r) * p.sdv[1] + c) = pack2<T>(br * acc(i), br * acc(i + 1));
       }
-    }
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
-      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
-      dbR[h] += s[h];
     }
   }
   fence_async_smem();
-  __syncthreads();  // dW and dVb images complete
+  __syncthreads();
 
   // (B23, B24, B29, B31) dKb = Tm^T dW; dK_b = diag(beta e^gamma) dKb.
   mma_ss(mma_mn128, tid, ttT(sTm), imgT(sdW), acc, false);
   {
-    const float2 kd = row_dot(acc, cc, tK);  // <dKb_i, K_i>
+    const float2 kd = row_dot<T>(acc, cc, img(sK));  // <dKb_i, K_i>
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
-      const float eg = expf(sGam[r]);
-      dbR[h] += eg * (h ? kd.y : kd.x);
-      aR[h] += sBeta[r] * eg * (h ? kd.y : kd.x);
+      const float eg = expf(sGam[r]), kdh = h ? kd.y : kd.x;
+      dbR[h] += eg * kdh;
+      aR[h] += sBeta[r] * eg * kdh;
     }
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int r = get<0>(cc(i)), c = get<1>(cc(i));
-      *reinterpret_cast<uint32_t*>(sdKb + img_off(r, c)) = pack2<T>(acc(i), acc(i + 1));
+      *reinterpret_cast<uint32_t*>(sdKb + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
       const float s = sBeta[r] * expf(sGam[r]);
       accK(i) += s * acc(i);
       accK(i + 1) += s * acc(i + 1);
@@ -660,13 +608,12 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   __syncthreads();
 
   // (B25, B26, B30) dL = strict(-(dVb Uv^T + dKb W^T)), L = strict(diag(beta) E o K K^T),
-  // R2 = dL o L, dM = E o dL.
-  mma_ss(mma_kk64, tid, img(sdVb), img(sUv), acc64, false);
+  // R2 = dL o L, dM = E o dL; and the diag(beta) K image.
+  mma_ss(mma_kk64, tid, img(sdVb), img(sUvi), acc64, false);
   mma_ss(mma_kk64, tid, img(sdKb), img(sW), acc64, true);
   {
     Tensor accKK = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
     mma_ss(mma_kk64, tid, img(sK), img(sK), accKK, false);
-    Tensor tM = tt(sdM);
     CUTE_UNROLL
     for (int i = 0; i < size(acc64); i += 2) {
       const int r = get<0>(c64(i)), c = get<1>(c64(i));
@@ -676,21 +623,19 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
         const int cj = c + e;
         const float E = r > cj ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
         const float dl = r > cj ? -acc64(i + e) : 0.f;
-        const float l = sBeta[r] * E * accKK(i + e);
-        rr[e] = dl * l;
+        rr[e] = dl * sBeta[r] * E * accKK(i + e);
         dm[e] = E * dl;
       }
-      *reinterpret_cast<uint32_t*>(sdM + static_cast<int>(&tM(r, c) - sdM)) = pack2<T>(dm[0], dm[1]);
+      *reinterpret_cast<uint32_t*>(sdM + toktok(r, c)) = pack2<T>(dm[0], dm[1]);
       rR[(r >> 3) & 1] += rr[0] + rr[1];
       atomicAdd(&sColR[c], rr[0]);
       atomicAdd(&sColR[c + 1], rr[1]);
     }
   }
-  // diag(beta) K image into X's bytes (X was last read by dK_d, before two barriers).
   CUTE_UNROLL
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < 8; ++k) {  // diag(beta) K (-dU was last read by Tm^T dU)
     const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
-    const int off = img_off(r, c8);
+    const int off = tokd(r, c8);
     const uint4 kx = *reinterpret_cast<const uint4*>(sK + off);
     const uint32_t* pk = &kx.x;
     uint4 y;
@@ -706,10 +651,39 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   fence_async_smem();
   __syncthreads();
 
+  // (B20, B32) dK_d = X dSn^T; x_i = <dK_d_i, K_i>. And e^Gamma <dSn, S> (same image layout).
+  mbar_wait(&bar[1], 0);
+  mma_ss(mma_kk128, tid, img(sX), dd(sdS), acc, false);
+  {
+    const float2 x = row_dot<T>(acc, cc, img(sK));
+    xR[0] += x.x;
+    xR[1] += x.y;
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) accK(i) += acc(i);
+  {
+    float part = 0.f;
+    CUTE_UNROLL
+    for (int k = 0; k < 16; ++k) {
+      const int u = tid + 128 * k;
+      const uint4 a = reinterpret_cast<const uint4*>(sS)[u], d = reinterpret_cast<const uint4*>(sdS)[u];
+      const uint32_t* pa = &a.x;
+      const uint32_t* pd = &d.x;
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = unpack2<T>(pa[e]), y = unpack2<T>(pd[e]);
+        part += x.x * y.x + x.y * y.y;
+      }
+    }
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) sRed[warp] = part;
+  }
+
   // (B27, B29) dM K: dbeta_i += <(dM K)_i, K_i>, dK += diag(beta) dM K; dK += dM^T diag(beta) K.
   mma_ss(mma_kmn128, tid, tt(sdM), imgT(sK), acc, false);
   {
-    const float2 kd = row_dot(acc, cc, tK);
+    const float2 kd = row_dot<T>(acc, cc, img(sK));
     dbR[0] += kd.x;
     dbR[1] += kd.y;
     CUTE_UNROLL
@@ -725,16 +699,14 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
     }
   }
 
-  // dbeta, and dg (B33): dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S>, with
-  // a_i -= column sums of R.
-  __syncthreads();  // sColR complete, sRed partials written
-  float* sA = reinterpret_cast<float*>(sm + kGdA);  // dM is dead: 2 x 64 floats of scratch
-  float* sXr = sA + 64;
+  // dbeta, and dg (B33): dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S>, where a_i
+  // also collects the row sums of R minus its column sums.
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
     rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 1);
     rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 2);
   }
+  __syncthreads();  // column sums of R and the <dSn, S> partials are complete
   if ((lane & 3) == 0) {
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
@@ -746,8 +718,7 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
   __syncthreads();
   if (tid < len) {
-    const float eS = expf(gl) * (sRed[4] + sRed[5] + sRed[6] + sRed[7]);
-    float s = eS;
+    float s = expf(gl) * (sRed[0] + sRed[1] + sRed[2] + sRed[3]);
     for (int i = tid; i < kC; ++i) s += sA[i];
     for (int i = 0; i < tid; ++i) s += sXr[i];
     store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s);

@@ -90,6 +90,12 @@ struct Lay {
   using TokD_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _128>{}));                    // (tok, d)
   using DTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _64>{}, Step<_2, _1>{}));  // (d, tok)
   using TokTok_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _64>{}));                   // (i, j)
+  using TokTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _64>{}));                  // (j, i): same bytes
+  // A full K x V state image (d, v), v contiguous, and the same bytes viewed as (v, d). With
+  // 128-byte swizzle its V columns 64 vt .. 64 vt + 63 are the vt-th 16 KiB half, which is exactly
+  // RecLay<T, 64>::VD_MN of a V tile of 64 (the backward stores and loads states this way).
+  using DD_K = decltype(tile_to_shape(KAtom{}, Shape<_128, _128>{}));
+  using DD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _128>{}, Step<_2, _1>{}));
 };
 // Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
 // must not be wider than the tile).

@@ -31,8 +31,8 @@ namespace {
 using namespace cute;
 
 constexpr size_t kTmBytes = 2 * kImgTokTok * 2;           // Tm hi|lo images per region
-constexpr size_t kStateBytes = size_t(kDK) * kDV * 4;     // fp32 K x V per region
-constexpr size_t kDuBytes = size_t(kC) * kDV * 4;         // fp32 C x V per region
+constexpr size_t kStateBytes = size_t(kDK) * kDV * 2;     // 16-bit K x V image per region (S, dSn)
+constexpr size_t kDuBytes = size_t(kC) * kDV * 2;         // 16-bit C x V image per region (-dU)
 
 struct BwdWs {
   size_t table = 0, regions = 0, tm = 0, states = 0, dsn = 0, du = 0, dqp = 0, dkp = 0, total = 0;
@@ -109,6 +109,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
                  "cudaFuncSetAttribute(gdn_prep)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
                  "cudaFuncSetAttribute(gdn_recur)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
+                 "cudaFuncSetAttribute(gdn_recur_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_bwd_reverse)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
@@ -170,11 +172,16 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rp.H = H;
     rp.HV = HV;
     rp.prec = kPrecDefault;
-    rp.states = reinterpret_cast<float*>(ws + wl.states);
+    rp.states = ws + wl.states;
     // The output is not needed: it goes to dv, which kernel 5 overwrites (every valid token).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
-    gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    // V tile 32 (warp-specialized) when the forward would pick it: few sequences and heads.
+    const bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
+    if (vt32)
+      gdn_recur_ws<T><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
+    else
+      gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
   }
 
@@ -190,8 +197,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.dh0 = static_cast<float*>(p.d_initial_state.data);
     for (int i = 0; i < 3; ++i) { rv.sdht[i] = p.d_final_state.stride[i]; rv.sdh0[i] = p.d_initial_state.stride[i]; }
     rv.vk = p.state_layout == StateLayout::kVK;
-    rv.dsn = reinterpret_cast<float*>(ws + wl.dsn);
-    rv.du = reinterpret_cast<float*>(ws + wl.du);
+    rv.dsn = ws + wl.dsn;
+    rv.du = ws + wl.du;
     rv.N = N;
     rv.H = H;
     rv.HV = HV;
@@ -201,11 +208,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
   if (nregions > 0) {  // 5. chunk-local gradients
     GradParams gp{};
-    gp.q = p.q.data; gp.k = p.k.data; gp.v = p.v.data; gp.dO = p.d_o.data;
-    for (int i = 0; i < 3; ++i) {
-      gp.sq[i] = p.q.stride[i]; gp.sk[i] = p.k.stride[i]; gp.sv[i] = p.v.stride[i]; gp.sdo[i] = p.d_o.stride[i];
-      gp.sdv[i] = p.dv.stride[i];
-    }
+    gp.tmq = tmq; gp.tmk = tmk; gp.tmv = tmv; gp.tmdo = tmdo;
+    for (int i = 0; i < 3; ++i) gp.sdv[i] = p.dv.stride[i];
     gp.g = p.g.data; gp.beta = p.beta.data;
     for (int i = 0; i < 2; ++i) {
       gp.sg[i] = p.g.stride[i]; gp.sb[i] = p.beta.stride[i]; gp.sdg[i] = p.dg.stride[i]; gp.sdb[i] = p.dbeta.stride[i];
@@ -218,9 +222,9 @@ Status bwd_launch(const GdnBackwardParams& p) {
     gp.chunk_off = table;
     gp.regions = ws + wl.regions;
     gp.tm = ws + wl.tm;
-    gp.states = reinterpret_cast<const float*>(ws + wl.states);
-    gp.dsn = reinterpret_cast<const float*>(ws + wl.dsn);
-    gp.du = reinterpret_cast<const float*>(ws + wl.du);
+    gp.states = ws + wl.states;
+    gp.dsn = ws + wl.dsn;
+    gp.du = ws + wl.du;
     gp.dqp = reinterpret_cast<float*>(ws + wl.dqp);
     gp.dkp = reinterpret_cast<float*>(ws + wl.dkp);
     gp.dv = p.dv.data;

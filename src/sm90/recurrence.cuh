@@ -43,7 +43,7 @@ struct RecParams {
   int64_t so[3];
   int N, H, HV;
   int prec;      // kPrec* bits
-  float* states;  // backward: the fp32 state entering every chunk ([K][V] per region); else null
+  void* states;  // backward: the state entering every chunk (16-bit DD_K image per region); else null
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
 
@@ -118,14 +118,16 @@ __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int
                                                   const Coord& cS) {
   store_state_tile(p.hT, p.shT, p.vk, n, hv, v0, accS, cS);
 }
-// Backward: the fp32 state entering chunk ci of value head hv, [K][V] per region, the CTA's columns.
-template <class Acc, class Coord>
-__device__ __forceinline__ void store_chunk_state(float* states, int HV, int ci, int hv, int v0, const Acc& acc,
+// Backward: the state entering chunk ci of value head hv as a 16-bit image (Lay<T>::DD_K, 32 KiB
+// per region), the CTA's columns; pairs of adjacent v are one 4-byte store.
+template <class T, class Acc, class Coord>
+__device__ __forceinline__ void store_state_image(void* images, int HV, int ci, int hv, int v0, const Acc& acc,
                                                   const Coord& cS) {
-  float* dst = states + (static_cast<size_t>(ci) * HV + hv) * (kDK * kDV) + v0;
+  T* dst = static_cast<T*>(images) + (static_cast<size_t>(ci) * HV + hv) * (kDK * kDV);
+  const typename Lay<T>::DD_K dd{};
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2)
-    *reinterpret_cast<float2*>(dst + get<0>(cS(i)) * kDV + get<1>(cS(i))) = make_float2(acc(i), acc(i + 1));
+    *reinterpret_cast<uint32_t*>(dst + dd(get<0>(cS(i)), v0 + get<1>(cS(i)))) = pack2<T>(acc(i), acc(i + 1));
 }
 
 // Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     T* base = reinterpret_cast<T*>(stb);
     const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    if (p.states) store_chunk_state(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
+    if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
     mbar_wait(&full[st], (c / kStages) & 1);
     T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
     T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
@@ -506,6 +508,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
       T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
+      if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
       mbar_wait(&full[st], (c / kStages) & 1);
       Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
       Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
