@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
     T* base = reinterpret_cast<T*>(stb);
     T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS);            // dSn of chunk c
+    store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS, sm);            // dSn of chunk c
     mbar_wait(&full[st], (it / kStages) & 1);
 
     // diag(scale e^gamma) dO as hi/lo (v, tok) images: pairs of adjacent v.
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
 
     // dU = gk (K dSn) + P^T dO: -dU as hi/lo images here and as a 16-bit image (tok, v) for kernel 5.
     T* dug = static_cast<T*>(p.du) + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV);
-    const typename L::TokD_K tokd{};
+    T* swz = reinterpret_cast<T*>(sm);
     CUTE_UNROLL
     for (int i = 0; i < size(accU); i += 2) {
       const int r = get<0>(cU(i)), v = get<1>(cU(i));
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
       const float d0 = gk * accU(i) + accP(i), d1 = gk * accU(i + 1) + accP(i + 1);
       uint32_t h, l;
       split_pair<T>(-d0, -d1, h, l);
-      *reinterpret_cast<uint32_t*>(dug + tokd(r, v0 + v)) = h;
+      *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokD_K>(swz, r, v0 + v)) = h;
       const int off = static_cast<int>(&tU(v, r) - sUh);
       *reinterpret_cast<uint32_t*>(sUh + off) = h;
       *reinterpret_cast<uint32_t*>(sUl + off) = l;
@@ -459,8 +459,9 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_MN{}); };  // (j, i)
   auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_K{}); };        // (d, v)
   auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_MN{}); };      // (v, d)
-  const typename L::TokD_K tokd{};
-  const typename L::TokTok_K toktok{};
+  T* swz = reinterpret_cast<T*>(sm);
+  auto tokd = [&](int r, int c) { return img_off<typename L::TokD_K>(swz, r, c); };
+  auto toktok = [&](int r, int c) { return img_off<typename L::TokTok_K>(swz, r, c); };
   Tensor acc = partition_fragment_C(mma_kk128, Shape<_64, _128>{});   // scratch 64 x 128
   Tensor accK = partition_fragment_C(mma_kk128, Shape<_64, _128>{});  // dK
   Tensor acc64 = partition_fragment_C(mma_kk64, Shape<_64, _64>{});

@@ -97,6 +97,16 @@ struct Lay {
   using DD_K = decltype(tile_to_shape(KAtom{}, Shape<_128, _128>{}));
   using DD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _128>{}, Step<_2, _1>{}));
 };
+// Element offset of (i, j) in a swizzled image. The GMMA layouts swizzle the shared-memory
+// address bits, so evaluating the layout alone would miss the swizzle: go through a tensor over a
+// 1024-byte aligned shared-memory base (any; only the offset is used). Global copies of an image
+// use the same offsets, so a bulk copy moves them into shared memory unchanged.
+template <class Layout, class T>
+__device__ __forceinline__ int img_off(T* aligned_base, int i, int j) {
+  Tensor t = make_tensor(make_smem_ptr(aligned_base), Layout{});
+  return static_cast<int>(&t(i, j) - aligned_base);
+}
+
 // Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
 // must not be wider than the tile).
 template <class T, int VT>

@@ -120,14 +120,16 @@ __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int
 }
 // Backward: the state entering chunk ci of value head hv as a 16-bit image (Lay<T>::DD_K, 32 KiB
 // per region), the CTA's columns; pairs of adjacent v are one 4-byte store.
+// swz: the kernel's 1024-byte aligned shared-memory base (offsets only, see img_off).
 template <class T, class Acc, class Coord>
 __device__ __forceinline__ void store_state_image(void* images, int HV, int ci, int hv, int v0, const Acc& acc,
-                                                  const Coord& cS) {
+                                                  const Coord& cS, uint8_t* swz) {
   T* dst = static_cast<T*>(images) + (static_cast<size_t>(ci) * HV + hv) * (kDK * kDV);
-  const typename Lay<T>::DD_K dd{};
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2)
-    *reinterpret_cast<uint32_t*>(dst + dd(get<0>(cS(i)), v0 + get<1>(cS(i)))) = pack2<T>(acc(i), acc(i + 1));
+  for (int i = 0; i < size(acc); i += 2) {
+    const int off = img_off<typename Lay<T>::DD_K>(reinterpret_cast<T*>(swz), get<0>(cS(i)), v0 + get<1>(cS(i)));
+    *reinterpret_cast<uint32_t*>(dst + off) = pack2<T>(acc(i), acc(i + 1));
+  }
 }
 
 // Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     T* base = reinterpret_cast<T*>(stb);
     const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
+    if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
     mbar_wait(&full[st], (c / kStages) & 1);
     T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
     T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
@@ -508,7 +510,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
       T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
-      if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS);
+      if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
       mbar_wait(&full[st], (c / kStages) & 1);
       Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
       Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
