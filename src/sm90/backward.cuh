@@ -2,7 +2,7 @@
 // backward outputs switched on). See docs/backward.md for the algebra (B1)..(B33) and the plan.
 //   3. gdn_bwd_reverse: the state-gradient chain, reverse over chunks per (sequence, value head,
 //      V tile of 64); stores dSn (the gradient of the state leaving each chunk) and dU.
-//   4. gdn_bwd_grads:   chunk-parallel, one warpgroup per (chunk, value head): dv, dbeta, dg, and
+//   4. gdn_bwd_grads:   chunk-parallel, one CTA per (chunk, value head): dv, dbeta, dg, and
 //      per-value-head fp32 partials of dq and dk.
 //   5. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
 //      when the device cu_seqlens are malformed.
@@ -276,7 +276,8 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4. Chunk-local gradients, one CTA (one warpgroup) per (chunk, value head). All products are
+// 4. Chunk-local gradients, one CTA (two warpgroups, each half of every product's columns) per
+//    (chunk, value head). All products are
 //    wgmma on 16-bit images in shared memory (hi only), fp32 accumulators; see (B15)-(B33).
 //    Every tile arrives by TMA or bulk copy, issued up front (dSn and V once their slots are
 //    free), so the loads overlap the first products instead of serialising on their latency.
@@ -320,11 +321,11 @@ constexpr uint32_t kGsK = 163840;    // Tm hi (8 KiB)
 constexpr uint32_t kGsL = 172032;    // U -> dA (8 KiB)  -> dKb
 constexpr uint32_t kGsM = 188416;    // X
 constexpr uint32_t kGsN = 204800;    // Uv image
-constexpr uint32_t kGsMisc = 221184; // gamma, beta, column sums of R, a, x [64 floats each], 16 floats, 3 mbarriers
+constexpr uint32_t kGsMisc = 221184; // gamma, beta, column sums of R [64 floats each], partials [2][4][64], 16 floats, 3 mbarriers
 constexpr uint32_t kGradTx0 = 3 * kQKBytes + 2 * kImgTokD * 2 /* S */ + kImgTokD * 2 /* W */ +
                               2 * kImgTokTok * 2 /* P */ + kC * kDV * 4 /* Uv */ + kImgTokD * 2 /* -dU */ +
                               kImgTokTok * 2 /* Tm */;
-constexpr size_t kGradSmem = 1024 + kGsMisc + 5 * 64 * 4 + 64 + 3 * 8;
+constexpr size_t kGradSmem = 1024 + kGsMisc + 11 * 64 * 4 + 64 + 3 * 8;
 static_assert(kGradSmem <= 232448, "grads smem over the 227 KiB limit");
 static_assert(kGsB - kGsA == kQKBytes && kGsI + 32768 == kGsJ && kGsK + 8192 == kGsL, "slot sizes");
 
@@ -334,15 +335,19 @@ __device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
   else static_cast<cutlass::half_t*>(p)[i] = cutlass::half_t(x);
 }
 
-// Row dots <acc_r, X_r> for the thread's two rows (r0 = 16 warp + lane/4 and r0 + 8), summed
-// over the quad that holds each row. X is a 16-bit image; accumulator pairs are adjacent columns.
-template <class T, class Acc, class Coord, class Img>
-__device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const Img& X) {
+// Row dots <acc_r, X_(r, c + coff)> for the thread's two rows (r0 = 16 warp + lane/4 and r0 + 8),
+// summed over the quad that holds each row (a partial over the warpgroup's columns). X is a
+// 16-bit image; accumulator pairs are adjacent columns.
+template <class T, class Layout, class Acc, class Coord>
+__device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const T* X, int coff) {
   float s[2] = {0.f, 0.f};
+  const uint32_t base = smem_u32(X);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(cc(i)), c = get<1>(cc(i));
-    const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(&X(r, c)));
+    const int r = get<0>(cc(i)), c = get<1>(cc(i)) + coff;
+    uint32_t w;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(base + 2u * img_off<Layout>(const_cast<T*>(X), r, c)));
+    const float2 x = unpack2<T>(w);
     s[(r >> 3) & 1] += acc(i) * x.x + acc(i + 1) * x.y;
   }
   CUTE_UNROLL
@@ -353,13 +358,33 @@ __device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const
   return make_float2(s[0], s[1]);
 }
 
+// Sums over the rows of a 64 x N fragment's column pairs, added to col[] (shared): the 8 row
+// groups of a warp are reduced by shuffles, then one atomic per column and warp.
+template <class Acc, class Coord>
+__device__ __forceinline__ void add_col_sums(const Acc& v, const Coord& cc, float* col, int coff, int lane) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(v); i += 4) {  // elements i, i+1: row r0; i+2, i+3: row r0+8 (same columns)
+    float a = v(i) + v(i + 2), b = v(i + 1) + v(i + 3);
+    CUTE_UNROLL
+    for (int o = 4; o < 32; o <<= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    if (lane < 4) {
+      const int c = get<1>(cc(i)) + coff;
+      atomicAdd(&col[c], a);
+      atomicAdd(&col[c + 1], b);
+    }
+  }
+}
+
 template <class T>
-__global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ GradParams p) {
+__global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ GradParams p) {
   using L = Lay<T>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, warp = tid >> 5, lane = tid & 31;
   const int reg = blockIdx.x, ci = reg / p.HV, hv = reg % p.HV;
   if (p.chunk_off[p.N + 1] || ci >= p.chunk_off[p.N]) return;
 
@@ -386,9 +411,8 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   float* sGam = reinterpret_cast<float*>(sm + kGsMisc);
   float* sBeta = sGam + 64;
   float* sColR = sBeta + 64;
-  float* sA = sColR + 64;
-  float* sXr = sA + 64;
-  float* sRed = sXr + 64;  // [0..3]: per-warp partials of <dSn, S>
+  float* sPart = sColR + 64;          // [2 warpgroups][4 quantities: a, x, dbeta, R rows][64]
+  float* sRed = sPart + 2 * 4 * 64;   // [8 warps]: partials of <dSn, S>
   uint64_t* bar = reinterpret_cast<uint64_t*>(sRed + 16);  // [0]: first loads, [1]: dSn, [2]: V
 
   // The chunk's sequence (largest n with off[n] <= ci skips zero-length sequences).
@@ -449,37 +473,52 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   __syncthreads();
   const float gl = sGam[len - 1];
 
-  auto mma_kmn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
-  auto mma_kk128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
-  auto mma_mn128 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
-  auto mma_kk64 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  // Each warpgroup computes half of the columns (N) of every product: wgmma N = 64 for the
+  // 64 x 128 products and N = 32 for the 64 x 64 ones. B operands are the column halves.
+  auto mma_kmn = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mma_kk = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto mma_mn = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto mma_kk32 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _32, _16>, GMMA::Major::K, GMMA::Major::K>());
   auto img = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokD_K{}); };     // (tok, d|v)
   auto imgT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DTok_MN{}); };   // (d|v, tok)
   auto tt = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_K{}); };    // (i, j)
   auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_MN{}); };  // (j, i)
   auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_K{}); };        // (d, v)
   auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_MN{}); };      // (v, d)
+  // This warpgroup's half of a B operand (N rows 64 wg .. 64 wg + 63, or 32 wg .. for N = 32).
+  auto half = [&](auto t) { return local_tile(t, make_shape(Int<64>{}, size<1>(t)), make_coord(wg, 0)); };
+  auto half32 = [&](auto t) { return local_tile(t, make_shape(Int<32>{}, size<1>(t)), make_coord(wg, 0)); };
   T* swz = reinterpret_cast<T*>(sm);
   auto tokd = [&](int r, int c) { return img_off<typename L::TokD_K>(swz, r, c); };
   auto toktok = [&](int r, int c) { return img_off<typename L::TokTok_K>(swz, r, c); };
-  Tensor acc = partition_fragment_C(mma_kk128, Shape<_64, _128>{});   // scratch 64 x 128
-  Tensor accK = partition_fragment_C(mma_kk128, Shape<_64, _128>{});  // dK
-  Tensor acc64 = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
-  Tensor cc = mma_kk128.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _128>{}));
-  Tensor c64 = mma_kk64.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _64>{}));
-  // a_i, x_i, dbeta_i of my two rows (quad-reduced) and my partial row sums of R (not yet).
+  Tensor acc = partition_fragment_C(mma_kk, Shape<_64, _64>{});   // scratch 64 x 64 (half of 64 x 128)
+  Tensor accK = partition_fragment_C(mma_kk, Shape<_64, _64>{});  // dK (this half)
+  Tensor acc32 = partition_fragment_C(mma_kk32, Shape<_64, _32>{});
+  Tensor cc = mma_kk.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  Tensor c32 = mma_kk32.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _32>{}));
+  const int co = 64 * wg, co32 = 32 * wg;  // this warpgroup's first column
+  // Per-row values of my two rows r0, r0 + 8.
+  const int r0 = 16 * (wt >> 5) + (lane >> 2);
+  float rg[2], rb[2], reg_[2];
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    rg[h] = sGam[r];
+    rb[h] = sBeta[r];
+    reg_[h] = exp2_approx(sGam[r] * kLog2e);  // e^gamma
+  }
+  // a_i, x_i, dbeta_i partials (quad-reduced) and my partial row sums of R (not yet).
   float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f}, rR[2] = {0.f, 0.f};
-  const int r0 = 16 * warp + (lane >> 2);
   mbar_wait(&bar[0], 0);
 
   // (B15) U = Uv - W S; U, X = diag(e^(Gamma-gamma)) U and Uv as 16-bit images.
-  mma_ss(mma_kmn128, tid, img(sW), ddT(sS), acc, false);
+  mma_ss(mma_kmn, wt, img(sW), half(ddT(sS)), acc, false);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    const int r = get<0>(cc(i)), c = get<1>(cc(i)) + co, h = (r >> 3) & 1;
     const float2 u2 = *reinterpret_cast<const float2*>(sUv32 + (c / kUT) * (kC * kUT) + u_index(r, c % kUT));
     const float x0 = u2.x - acc(i), x1 = u2.y - acc(i + 1);
-    const float gk = r < len ? expf(gl - sGam[r]) : 0.f;
+    const float gk = r < len ? exp2_approx((gl - rg[h]) * kLog2e) : 0.f;
     const int off = tokd(r, c);
     *reinterpret_cast<uint32_t*>(sU + off) = pack2<T>(x0, x1);
     *reinterpret_cast<uint32_t*>(sX + off) = pack2<T>(gk * x0, gk * x1);
@@ -493,48 +532,51 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
 
   // (B16, B17, B30) dP = dO U^T; dA = scale causal(E o dP), R1 = strict(dP o P) (rows < len).
-  mma_ss(mma_kk64, tid, img(sO), img(sU), acc64, false);
+  mma_ss(mma_kk32, wt, img(sO), half32(img(sU)), acc32, false);
   __syncthreads();  // U is dead: dA takes its slot
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc64); i += 2) {
-    const int r = get<0>(c64(i)), c = get<1>(c64(i));
-    const int off = toktok(r, c);
-    const float2 ph = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + off));
-    const float2 pl = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + kImgTokTok + off));
-    const float pv[2] = {ph.x + pl.x, ph.y + pl.y};
-    float da[2], rr[2];
+  {
+    Tensor rr = make_fragment_like(acc32);
     CUTE_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      const int cj = c + e;
-      const bool causal = r < len && r >= cj;
-      const float E = causal ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
-      const float dp = acc64(i + e);
-      da[e] = p.scale * E * dp;
-      rr[e] = causal && r > cj ? dp * pv[e] : 0.f;
+    for (int i = 0; i < size(acc32); i += 2) {
+      const int r = get<0>(c32(i)), c = get<1>(c32(i)) + co32, h = (r >> 3) & 1;
+      const int off = toktok(r, c);
+      const float2 ph = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + off));
+      const float2 pl = unpack2<T>(*reinterpret_cast<const uint32_t*>(sP + kImgTokTok + off));
+      const float pv[2] = {ph.x + pl.x, ph.y + pl.y};
+      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+      const float gcv[2] = {gc.x, gc.y};
+      float da[2];
+      CUTE_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const bool causal = r < len && r >= c + e;
+        const float E = causal ? exp2_approx(fminf(rg[h] - gcv[e], 0.f) * kLog2e) : 0.f;
+        const float dp = acc32(i + e);
+        da[e] = p.scale * E * dp;
+        rr(i + e) = causal && r > c + e ? dp * pv[e] : 0.f;
+      }
+      *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
+      rR[h] += rr(i) + rr(i + 1);
     }
-    *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
-    rR[(r >> 3) & 1] += rr[0] + rr[1];
-    atomicAdd(&sColR[c], rr[0]);
-    atomicAdd(&sColR[c + 1], rr[1]);
+    add_col_sums(rr, c32, sColR, co32, lane);
   }
   fence_async_smem();
   __syncthreads();
 
   // (B18) dQ = diag(scale e^gamma) dO S^T + dA K; a_i += <scale e^gamma_i (dO S^T)_i, Q_i>.
-  mma_ss(mma_kk128, tid, img(sO), dd(sS), acc, false);
+  mma_ss(mma_kk, wt, img(sO), half(dd(sS)), acc, false);
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) {
-    const int r = get<0>(cc(i));
-    acc(i) *= r < len ? p.scale * expf(sGam[r]) : 0.f;
+    const int r = get<0>(cc(i)), h = (r >> 3) & 1;
+    acc(i) *= r < len ? p.scale * reg_[h] : 0.f;
   }
   {
-    const float2 a1 = row_dot<T>(acc, cc, img(sQ));
+    const float2 a1 = row_dot<T, typename L::TokD_K>(acc, cc, sQ, co);
     aR[0] += a1.x;
     aR[1] += a1.y;
   }
-  mma_ss(mma_kmn128, tid, tt(sdA), imgT(sK), acc, true);
+  mma_ss(mma_kmn, wt, tt(sdA), half(imgT(sK)), acc, true);
   {
-    float* dq = p.dqp + ((b * p.T + t0) * p.HV + hv) * kDK;
+    float* dq = p.dqp + ((b * p.T + t0) * p.HV + hv) * kDK + co;
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int r = get<0>(cc(i)), c = get<1>(cc(i));
@@ -550,57 +592,54 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
 
   // (B19) dK = dA^T Q.
-  mma_ss(mma_mn128, tid, ttT(sdA), imgT(sQ), accK, false);
+  mma_ss(mma_mn, wt, ttT(sdA), half(imgT(sQ)), accK, false);
   // (B21) dW = -dU S^T (the slot holds -dU).
-  mma_ss(mma_kk128, tid, img(sndU), dd(sS), acc, false);
+  mma_ss(mma_kk, wt, img(sndU), half(dd(sS)), acc, false);
   __syncthreads();  // Q is dead: dW takes its slot
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    const int r = get<0>(cc(i)), c = get<1>(cc(i)) + co;
     *reinterpret_cast<uint32_t*>(sdW + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
   }
   fence_async_smem();
   __syncthreads();
 
   // (B23, B24, B29) dVb = Tm^T dU; dv = diag(beta) dVb; dbeta_i += <dVb_i, V_i>.
-  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sndU), acc, false);  // = -dVb
+  mma_ss(mma_mn, wt, ttT(sTm), half(imgT(sndU)), acc, false);  // = -dVb
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) acc(i) = -acc(i);
   mbar_wait(&bar[2], 0);
   {
-    const float2 d1 = row_dot<T>(acc, cc, img(sV));
+    const float2 d1 = row_dot<T, typename L::TokD_K>(acc, cc, sV, co);
     dbR[0] += d1.x;
     dbR[1] += d1.y;
     T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2];
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
-      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      const int r = get<0>(cc(i)), c = get<1>(cc(i)) + co, h = (r >> 3) & 1;
       *reinterpret_cast<uint32_t*>(sdVb + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
-      if (r < len) {
-        const float br = sBeta[r];
-        *reinterpret_cast<uint32_t*>(dvg + (t0 + r) * p.sdv[1] + c) = pack2<T>(br * acc(i), br * acc(i + 1));
-      }
+      if (r < len)
+        *reinterpret_cast<uint32_t*>(dvg + (t0 + r) * p.sdv[1] + c) = pack2<T>(rb[h] * acc(i), rb[h] * acc(i + 1));
     }
   }
   fence_async_smem();
   __syncthreads();
 
   // (B23, B24, B29, B31) dKb = Tm^T dW; dK_b = diag(beta e^gamma) dKb.
-  mma_ss(mma_mn128, tid, ttT(sTm), imgT(sdW), acc, false);
+  mma_ss(mma_mn, wt, ttT(sTm), half(imgT(sdW)), acc, false);
   {
-    const float2 kd = row_dot<T>(acc, cc, img(sK));  // <dKb_i, K_i>
+    const float2 kd = row_dot<T, typename L::TokD_K>(acc, cc, sK, co);  // <dKb_i, K_i> (this half)
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      const float eg = expf(sGam[r]), kdh = h ? kd.y : kd.x;
-      dbR[h] += eg * kdh;
-      aR[h] += sBeta[r] * eg * kdh;
+      const float kdh = h ? kd.y : kd.x;
+      dbR[h] += reg_[h] * kdh;
+      aR[h] += rb[h] * reg_[h] * kdh;
     }
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
-      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      const int r = get<0>(cc(i)), c = get<1>(cc(i)) + co, h = (r >> 3) & 1;
       *reinterpret_cast<uint32_t*>(sdKb + tokd(r, c)) = pack2<T>(acc(i), acc(i + 1));
-      const float s = sBeta[r] * expf(sGam[r]);
+      const float s = rb[h] * reg_[h];
       accK(i) += s * acc(i);
       accK(i + 1) += s * acc(i + 1);
     }
@@ -610,32 +649,33 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
 
   // (B25, B26, B30) dL = strict(-(dVb Uv^T + dKb W^T)), L = strict(diag(beta) E o K K^T),
   // R2 = dL o L, dM = E o dL; and the diag(beta) K image.
-  mma_ss(mma_kk64, tid, img(sdVb), img(sUvi), acc64, false);
-  mma_ss(mma_kk64, tid, img(sdKb), img(sW), acc64, true);
+  mma_ss(mma_kk32, wt, img(sdVb), half32(img(sUvi)), acc32, false);
+  mma_ss(mma_kk32, wt, img(sdKb), half32(img(sW)), acc32, true);
   {
-    Tensor accKK = partition_fragment_C(mma_kk64, Shape<_64, _64>{});
-    mma_ss(mma_kk64, tid, img(sK), img(sK), accKK, false);
+    Tensor accKK = partition_fragment_C(mma_kk32, Shape<_64, _32>{});
+    mma_ss(mma_kk32, wt, img(sK), half32(img(sK)), accKK, false);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc64); i += 2) {
-      const int r = get<0>(c64(i)), c = get<1>(c64(i));
-      float dm[2], rr[2];
+    for (int i = 0; i < size(acc32); i += 2) {
+      const int r = get<0>(c32(i)), c = get<1>(c32(i)) + co32, h = (r >> 3) & 1;
+      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+      const float gcv[2] = {gc.x, gc.y};
+      float dm[2];
       CUTE_UNROLL
       for (int e = 0; e < 2; ++e) {
-        const int cj = c + e;
-        const float E = r > cj ? expf(fminf(sGam[r] - sGam[cj], 0.f)) : 0.f;
-        const float dl = r > cj ? -acc64(i + e) : 0.f;
-        rr[e] = dl * sBeta[r] * E * accKK(i + e);
+        const bool strict = r > c + e;
+        const float E = strict ? exp2_approx(fminf(rg[h] - gcv[e], 0.f) * kLog2e) : 0.f;
+        const float dl = strict ? -acc32(i + e) : 0.f;
+        accKK(i + e) = dl * rb[h] * E * accKK(i + e);  // R2
         dm[e] = E * dl;
       }
       *reinterpret_cast<uint32_t*>(sdM + toktok(r, c)) = pack2<T>(dm[0], dm[1]);
-      rR[(r >> 3) & 1] += rr[0] + rr[1];
-      atomicAdd(&sColR[c], rr[0]);
-      atomicAdd(&sColR[c + 1], rr[1]);
+      rR[h] += accKK(i) + accKK(i + 1);
     }
+    add_col_sums(accKK, c32, sColR, co32, lane);
   }
   CUTE_UNROLL
-  for (int k = 0; k < 8; ++k) {  // diag(beta) K (-dU was last read by Tm^T dU)
-    const int u = tid + 128 * k, r = u >> 4, c8 = (u & 15) * 8;
+  for (int k = 0; k < 4; ++k) {  // diag(beta) K (-dU was last read by Tm^T dU)
+    const int u = tid + 256 * k, r = u >> 4, c8 = (u & 15) * 8;
     const int off = tokd(r, c8);
     const uint4 kx = *reinterpret_cast<const uint4*>(sK + off);
     const uint32_t* pk = &kx.x;
@@ -654,9 +694,9 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
 
   // (B20, B32) dK_d = X dSn^T; x_i = <dK_d_i, K_i>. And e^Gamma <dSn, S> (same image layout).
   mbar_wait(&bar[1], 0);
-  mma_ss(mma_kk128, tid, img(sX), dd(sdS), acc, false);
+  mma_ss(mma_kk, wt, img(sX), half(dd(sdS)), acc, false);
   {
-    const float2 x = row_dot<T>(acc, cc, img(sK));
+    const float2 x = row_dot<T, typename L::TokD_K>(acc, cc, sK, co);
     xR[0] += x.x;
     xR[1] += x.y;
   }
@@ -665,8 +705,8 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   {
     float part = 0.f;
     CUTE_UNROLL
-    for (int k = 0; k < 16; ++k) {
-      const int u = tid + 128 * k;
+    for (int k = 0; k < 8; ++k) {
+      const int u = tid + 256 * k;
       const uint4 a = reinterpret_cast<const uint4*>(sS)[u], d = reinterpret_cast<const uint4*>(sdS)[u];
       const uint32_t* pa = &a.x;
       const uint32_t* pd = &d.x;
@@ -682,17 +722,17 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
 
   // (B27, B29) dM K: dbeta_i += <(dM K)_i, K_i>, dK += diag(beta) dM K; dK += dM^T diag(beta) K.
-  mma_ss(mma_kmn128, tid, tt(sdM), imgT(sK), acc, false);
+  mma_ss(mma_kmn, wt, tt(sdM), half(imgT(sK)), acc, false);
   {
-    const float2 kd = row_dot<T>(acc, cc, img(sK));
+    const float2 kd = row_dot<T, typename L::TokD_K>(acc, cc, sK, co);
     dbR[0] += kd.x;
     dbR[1] += kd.y;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) accK(i) += sBeta[get<0>(cc(i))] * acc(i);
+    for (int i = 0; i < size(acc); ++i) accK(i) += rb[(get<0>(cc(i)) >> 3) & 1] * acc(i);
   }
-  mma_ss(mma_mn128, tid, ttT(sdM), imgT(sBK), accK, true);
+  mma_ss(mma_mn, wt, ttT(sdM), half(imgT(sBK)), accK, true);
   {
-    float* dk = p.dkp + ((b * p.T + t0) * p.HV + hv) * kDK;
+    float* dk = p.dkp + ((b * p.T + t0) * p.HV + hv) * kDK + co;
     CUTE_UNROLL
     for (int i = 0; i < size(accK); i += 2) {
       const int r = get<0>(cc(i)), c = get<1>(cc(i));
@@ -701,25 +741,37 @@ __global__ void __launch_bounds__(128, 1) gdn_bwd_grads(const __grid_constant__ 
   }
 
   // dbeta, and dg (B33): dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S>, where a_i
-  // also collects the row sums of R minus its column sums.
+  // also collects the row sums of R minus its column sums. Both warpgroups' halves are summed.
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
     rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 1);
     rR[h] += __shfl_xor_sync(0xffffffffu, rR[h], 2);
   }
-  __syncthreads();  // column sums of R and the <dSn, S> partials are complete
   if ((lane & 3) == 0) {
+    float* pw = sPart + wg * 4 * 64;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
-      sA[r] = aR[h] + rR[h] - sColR[r];
-      sXr[r] = xR[h];
-      if (r < len) store_f(p.dbeta, p.db_dt, b * p.sdb[0] + (t0 + r) * p.sdb[1] + hv, dbR[h]);
+      pw[r] = aR[h] + rR[h];
+      pw[64 + r] = xR[h];
+      pw[128 + r] = dbR[h];
     }
+  }
+  __syncthreads();  // column sums of R, the halves and the <dSn, S> partials are complete
+  float* sA = sPart + 3 * 64;        // a_i (wg 0's R-row slot is free now)
+  float* sXr = sPart + 4 * 64 + 3 * 64;
+  if (tid < kC) {
+    const int r = tid;
+    const float a = sPart[r] + sPart[256 + r] - sColR[r];
+    const float x = sPart[64 + r] + sPart[256 + 64 + r];
+    const float db = sPart[128 + r] + sPart[256 + 128 + r];
+    sA[r] = a;
+    sXr[r] = x;
+    if (r < len) store_f(p.dbeta, p.db_dt, b * p.sdb[0] + (t0 + r) * p.sdb[1] + hv, db);
   }
   __syncthreads();
   if (tid < len) {
-    float s = expf(gl) * (sRed[0] + sRed[1] + sRed[2] + sRed[3]);
+    float s = expf(gl) * (sRed[0] + sRed[1] + sRed[2] + sRed[3] + sRed[4] + sRed[5] + sRed[6] + sRed[7]);
     for (int i = tid; i < kC; ++i) s += sA[i];
     for (int i = 0; i < tid; ++i) s += sXr[i];
     store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s);

@@ -233,7 +233,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     gp.dbeta = p.dbeta.data;
     gp.db_dt = static_cast<int>(p.dbeta.dtype);
     gp.scale = static_cast<float>(p.scale);
-    gdn_bwd_grads<T><<<static_cast<unsigned>(nregions), 128, kGradSmem, stream>>>(gp);
+    gdn_bwd_grads<T><<<static_cast<unsigned>(nregions), 256, kGradSmem, stream>>>(gp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_grads");
   }
 
