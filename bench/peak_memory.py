@@ -1,5 +1,7 @@
 """Peak extra device memory of one forward call (workspace and anything else the op allocates
-beyond its outputs), measured with the CUDA caching allocator's peak counter.
+beyond its outputs), and of forward + backward through autograd (beyond the inputs, the
+upstream gradients and the input gradients), measured with the CUDA caching allocator's peak
+counter.
 
     python3 bench/peak_memory.py        # the rows below, on the current GPU
 """
@@ -30,5 +32,34 @@ def main():
         torch.cuda.empty_cache()
 
 
+BWD_ROWS = [("35B/9B/4B TP1 16/32 1x32768", (32768,), 16, 32), ("35B/9B/4B TP1 16/32 8192x4", (8192,) * 4, 16, 32)]
+
+
+def backward_rows():
+    """Forward + backward through autograd: the forward saves only its inputs; the backward's
+    workspace holds the recomputed per-chunk data (docs/backward.md section 3)."""
+    for label, lengths, h, hv in BWD_ROWS:
+        inp = grid.make_inputs(lengths, h, hv, seed=0)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0)]
+        do = torch.randn_like(inp.v)
+        dht = torch.randn_like(inp.h0)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()  # inputs, their clones, do, dht
+        torch.cuda.reset_peak_memory_stats()
+        o, ht = qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=inp.cu_seqlens)
+        fwd_peak = torch.cuda.max_memory_allocated() - base
+        torch.autograd.backward([o, ht], [do, dht])
+        torch.cuda.synchronize()
+        grads = sum(t.grad.numel() * t.grad.element_size() for t in leaves)
+        outputs = o.numel() * o.element_size() + ht.numel() * ht.element_size()
+        extra = torch.cuda.max_memory_allocated() - base - grads - outputs
+        print(f"fwd+bwd {label}: peak extra device memory {extra / 2**30:.3f} GiB beyond inputs, outputs and "
+              f"gradients (forward alone {fwd_peak / 2**30:.3f} GiB incl. outputs)", flush=True)
+        del inp, leaves, o, ht, do, dht
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     main()
+    backward_rows()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
-#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [grid] [grid-par] [grid-bwd]
+#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [grid] [grid-par] [grid-bwd] [grid-bwd-par]
 #   (default: tests memcheck bench grid)
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call.
@@ -95,6 +95,21 @@ if want grid-par; then
   tail -3 "$OUT"/grid_fwd_*.log
   python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_fwd.md" 2>&1 | tail -3
   grep -E "geometric|faster on" "$OUT/grid_fwd.md"
+fi
+if want grid-bwd-par; then
+  # The backward grid split by head configurations over the GPUs (as grid-par), then merged.
+  echo "== backward grid, parallel over GPUs"
+  IFS=';' read -ra groups <<< "${GRID_GROUPS:-16/32,2/4;8/16,4/8}"
+  jsons=()
+  for i in "${!groups[@]}"; do
+    CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind bwd --heads "${groups[$i]}" \
+      ${GRID_ARGS:-} --json "$OUT/grid_bwd_$i.json" > "$OUT/grid_bwd_$i.log" 2>&1 &
+    jsons+=("$OUT/grid_bwd_$i.json")
+  done
+  wait
+  tail -3 "$OUT"/grid_bwd_*.log
+  python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_bwd.md" 2>&1 | tail -3
+  grep -E "geometric|faster on" "$OUT/grid_bwd.md"
 fi
 if want grid-bwd; then
   echo "== backward grid"

@@ -107,9 +107,9 @@ Status bwd_launch(const GdnBackwardParams& p) {
   if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
                  "cudaFuncSetAttribute(gdn_prep)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
                  "cudaFuncSetAttribute(gdn_recur)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_recur_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_bwd_reverse)");
@@ -179,9 +179,9 @@ Status bwd_launch(const GdnBackwardParams& p) {
     // V tile 32 (warp-specialized) when the forward would pick it: few sequences and heads.
     const bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
     if (vt32)
-      gdn_recur_ws<T><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
+      gdn_recur_ws<T, true><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
     else
-      gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
+      gdn_recur<T, 64, true><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
   }
 

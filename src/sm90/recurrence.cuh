@@ -43,7 +43,7 @@ struct RecParams {
   int64_t so[3];
   int N, H, HV;
   int prec;      // kPrec* bits
-  void* states;  // backward: the state entering every chunk (16-bit DD_K image per region); else null
+  void* states;  // backward (kStates kernels): the state entering every chunk, 16-bit DD_K image per region
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
 
@@ -188,7 +188,9 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
   }
 }
 
-template <class T, int VT>
+// kStates: the backward's state pass (stores every chunk's entering state to p.states). A
+// compile-time role: the forward's instantiation carries none of its code or registers.
+template <class T, int VT, bool kStates = false>
 __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecParams p) {
   using L = Lay<T>;
   using RL = RecLay<T, VT>;
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     T* base = reinterpret_cast<T*>(stb);
     const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
+    if constexpr (kStates) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
     mbar_wait(&full[st], (c / kStages) & 1);
     T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
     T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
@@ -420,7 +422,7 @@ struct RecWsCfg {
   static_assert(kSmem <= 232448, "warp-specialized recurrence smem over the 227 KiB limit");
 };
 
-template <class T>
+template <class T, bool kStates = false>  // kStates: as in gdn_recur
 __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ RecParams p) {
   constexpr int VT = kWsVT;
   using L = Lay<T>;
@@ -510,7 +512,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
       T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
-      if (p.states) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
+      if constexpr (kStates) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
       mbar_wait(&full[st], (c / kStages) & 1);
       Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
       Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
