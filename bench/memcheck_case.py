@@ -1,4 +1,4 @@
-"""A small sm90 forward for compute-sanitizer: varlen with empty and ragged sequences, GVA."""
+"""A small sm90 forward and backward for compute-sanitizer: varlen with empty and ragged sequences, GVA."""
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +26,15 @@ bad = torch.tensor([0, 200, 100, T + 64, T, T, T, T], dtype=torch.int32, device=
 o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=bad)
 torch.cuda.synchronize()
 print("malformed cu_seqlens: o all NaN:", bool(torch.isnan(o).all()), "state all NaN:", bool(torch.isnan(ht).all()))
+# The backward on the same inputs (both state layouts), and with the malformed cu_seqlens: every
+# gradient NaN, no access outside the tensors.
+do = torch.randn_like(v)
+for v_first in (False, True):
+    h0v = h0.transpose(-1, -2).contiguous() if v_first else h0
+    grads = qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=h0v / 8, initial_state=h0v, cu_seqlens=cu,
+                                           state_v_first=v_first)
+torch.cuda.synchronize()
+print("backward ran; all finite:", all(bool(torch.isfinite(t).all()) for t in grads))
+grads = qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=h0 / 8, initial_state=h0, cu_seqlens=bad)
+torch.cuda.synchronize()
+print("malformed cu_seqlens, backward: all NaN:", all(bool(torch.isnan(t).all()) for t in grads))
