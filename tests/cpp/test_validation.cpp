@@ -1,4 +1,5 @@
 // Bad arguments come back as a Status naming the argument; nothing crashes.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include "problem.h"
@@ -98,4 +99,36 @@ TEST(Validation, CudaDeviceWithoutGpuReportsError) {
   qla::Status s = qla::gdn_forward(f);
   EXPECT_FALSE(s.ok());
   EXPECT_FALSE(s.message().empty());
+}
+
+TEST(Validation, CudaBackwardRefusesWhatTheSm90BackendCannotRun) {
+  // Valid arguments on host memory with K = V = 4 and device = kCuda: refused before any device
+  // work, with kNotSupported naming the limit (or the missing CUDA backend of a CPU-only build).
+  Problem p = make_problem(6, 1, 10, 1, 1, 4, 4);
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  std::vector<float> d_o(p.v.size(), 1.f), dq(p.q.size(), 7.f), dk(p.k.size()), dv(p.v.size()), dg(p.g.size()),
+      dbeta(p.beta.size());
+  qla::GdnBackwardParams b;
+  b.shape = f.shape;
+  b.q = f.q, b.k = f.k, b.v = f.v, b.g = f.g, b.beta = f.beta;
+  b.d_o = {d_o.data(), qla::DType::kFloat32, {f.v.stride[0], f.v.stride[1], f.v.stride[2]}};
+  b.dq = {dq.data(), qla::DType::kFloat32, {f.q.stride[0], f.q.stride[1], f.q.stride[2]}};
+  b.dk = {dk.data(), qla::DType::kFloat32, {f.k.stride[0], f.k.stride[1], f.k.stride[2]}};
+  b.dv = {dv.data(), qla::DType::kFloat32, {f.v.stride[0], f.v.stride[1], f.v.stride[2]}};
+  b.dg = {dg.data(), qla::DType::kFloat32, {f.g.stride[0], f.g.stride[1], 0}};
+  b.dbeta = {dbeta.data(), qla::DType::kFloat32, {f.beta.stride[0], f.beta.stride[1], 0}};
+  b.scale = 0.5;
+  ASSERT_TRUE(qla::gdn_backward(b).ok());  // the same call on the CPU backend runs
+  std::fill(dq.begin(), dq.end(), 7.f);
+  b.device = qla::Device::kCuda;
+  size_t bytes = 123;
+  for (const qla::Status& s : {qla::gdn_backward_workspace_size(b, &bytes), qla::gdn_backward(b)}) {
+    EXPECT_EQ(s.code(), qla::StatusCode::kNotSupported) << s.message();
+    EXPECT_TRUE(s.message().find("K = V = 128") != std::string::npos ||
+                s.message().find("no CUDA backend") != std::string::npos)
+        << s.message();
+  }
+  EXPECT_EQ(bytes, 0u);
+  for (float x : dq) EXPECT_EQ(x, 7.f);  // nothing written
 }
