@@ -83,3 +83,16 @@ def test_forward_and_backward_in_one_cuda_graph():
     _, ref = _grads(fresh, do, dht)
     for n in NAMES:
         assert rel_err(static[n].grad, ref[n]) <= TOLS[n], (n, rel_err(static[n].grad, ref[n]))
+
+
+def test_backward_malformed_device_cu_seqlens_gives_nan_gradients():
+    """As the forward: device cu_seqlens are checked on the GPU (no host sync); malformed values
+    (a decreasing step, last entry past T) make every gradient NaN instead of a wrong answer."""
+    x = _inputs([64, 100, 36], 1, 2, "mild", seed=16)
+    do, dht = _upstream(x, 17)
+    T = x["q"].shape[1]
+    bad = torch.tensor([0, 150, 100, T + 64], dtype=torch.int32, device="cuda")
+    grads = qla.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht=dht,
+                                           initial_state=x["initial_state"], cu_seqlens=bad)
+    for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        assert bool(torch.isnan(t).all()), name
