@@ -1,10 +1,10 @@
-// sm90 backward kernels 3-5 (kernels 1-2 are the forward's prep and recurrence with their
+// sm90 backward launches 4-6 (1-3 are the forward's chunk table, prep and recurrence with their
 // backward outputs switched on). See docs/backward.md for the algebra (B1)..(B33) and the plan.
-//   3. gdn_bwd_reverse: the state-gradient chain, reverse over chunks per (sequence, value head,
+//   4. gdn_bwd_reverse: the state-gradient chain, reverse over chunks per (sequence, value head,
 //      V tile of 64); stores dSn (the gradient of the state leaving each chunk) and dU.
-//   4. gdn_bwd_grads:   chunk-parallel, one CTA per (chunk, value head): dv, dbeta, dg, and
+//   5. gdn_bwd_grads:   chunk-parallel, one CTA per (chunk, value head): dv, dbeta, dg, and
 //      per-value-head fp32 partials of dq and dk.
-//   5. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
+//   6. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
 //      when the device cu_seqlens are malformed.
 #pragma once
 
@@ -38,12 +38,12 @@ __device__ __forceinline__ void mma_ss(MMA& mma, int tid, const TA& sA, const TB
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. Reverse chain. One CTA per (sequence, value head, V tile of 64): warps 0-3 = math
+// 4. Reverse chain. One CTA per (sequence, value head, V tile of 64): warps 0-3 = math
 //    warpgroup with dS (K x 64, fp32) in registers, warp 4 = producer (2-stage ring, as in
 //    gdn_recur). Chunks from the last to the first; per chunk, with dSn the current dS:
 //      dU = diag(e^(Gamma-gamma)) (K dSn) + P^T dO                                    (B13)
 //      dS = e^Gamma dSn + Q^T diag(scale e^gamma) dO - W^T dU                          (B14)
-//    dSn and dU are stored (fp32) for kernel 4; dS after chunk 0 is dh0.
+//    dSn and -dU are stored as 16-bit images for the gradients kernel; dS after chunk 0 is dh0.
 // ---------------------------------------------------------------------------------------------
 struct RevParams {
   CUtensorMap tmq, tmk, tmdo;  // q, k, dO as (d, head, token, batch), box (64, 1, 64, 1)
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
-  if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: kernel 5 writes NaN
+  if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: launch 6 writes NaN
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC), ci0 = p.chunk_off[n];
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4. Chunk-local gradients, one CTA (two warpgroups, each half of every product's columns) per
+// 5. Chunk-local gradients, one CTA (two warpgroups, each half of every product's columns) per
 //    (chunk, value head). All products are
 //    wgmma on 16-bit images in shared memory (hi only), fp32 accumulators; see (B15)-(B33).
 //    Every tile arrives by TMA or bulk copy, issued up front (dSn and V once their slots are
@@ -779,7 +779,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
 }
 
 // ---------------------------------------------------------------------------------------------
-// 5. dq, dk: sums of the fp32 partials over each value-head group, in the dtype of q; NaN in
+// 6. dq, dk: sums of the fp32 partials over each value-head group, in the dtype of q; NaN in
 //    every output when the device cu_seqlens are malformed (off[N + 1] set by the chunk table).
 // ---------------------------------------------------------------------------------------------
 struct FinishParams {

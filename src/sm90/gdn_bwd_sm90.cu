@@ -2,8 +2,9 @@
 // p.stream, no host synchronisation (graph-capturable); docs/backward.md has the algebra.
 //   1. gdn_chunk_table:  chunk offsets and the cu_seqlens check (as in the forward).
 //   2. gdn_prep<T>:      the forward's prep, also storing Tm = (I+L)^-1 (hi/lo images).
-//   3. gdn_recur<T, 64>: the forward's recurrence, also storing the state entering every chunk
-//                        (fp32); its output lands in dv, overwritten by kernel 5.
+//   3. gdn_recur(_ws):   the forward's recurrence in its kStates role, also storing the state
+//                        entering every chunk (16-bit image); its output lands in dv, overwritten
+//                        by launch 5.
 //   4. gdn_bwd_reverse:  the state-gradient chain in reverse, storing dSn and dU per chunk; dh0.
 //   5. gdn_bwd_grads:    chunk-parallel dv, dbeta, dg and per-value-head dq, dk partials.
 //   6. gdn_bwd_finish:   dq, dk summed over each value-head group (NaN outputs on bad cu_seqlens).
@@ -173,7 +174,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rp.HV = HV;
     rp.prec = kPrecDefault;
     rp.states = ws + wl.states;
-    // The output is not needed: it goes to dv, which kernel 5 overwrites (every valid token).
+    // The output is not needed: it goes to dv, which launch 5 overwrites (every valid token).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
     // V tile 32 (warp-specialized) when the forward would pick it: few sequences and heads.
