@@ -73,6 +73,18 @@ constexpr bool u_index_is_row_permutation() {
 }
 static_assert(u_index_is_row_permutation(), "u_index must permute the 32 columns of each row");
 
+// Issue acc (+)= A B over all K blocks of the fragments into the open wgmma batch (between
+// warpgroup_arrive and warpgroup_commit_batch). first = ScaleOut::Zero overwrites acc, One adds.
+template <class MMA, class FA, class FB, class Acc>
+__device__ __forceinline__ void gemm_k(MMA& mma, const FA& rA, const FB& rB, Acc& acc, GMMA::ScaleOut first) {
+  mma.accumulate_ = first;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+}
+
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>
 __device__ __forceinline__ void split2(float x, T& hi, T& lo) {

@@ -203,18 +203,8 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   warpgroup_fence_operand(accKK);
   warpgroup_fence_operand(accQK);
   warpgroup_arrive();
-  mma1.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb2 = 0; kb2 < size<2>(rKa); ++kb2) {
-    cute::gemm(mma1, rKa(_, _, kb2), rKb(_, _, kb2), accKK);
-    mma1.accumulate_ = GMMA::ScaleOut::One;
-  }
-  mma1.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb2 = 0; kb2 < size<2>(rQa); ++kb2) {
-    cute::gemm(mma1, rQa(_, _, kb2), rKb(_, _, kb2), accQK);
-    mma1.accumulate_ = GMMA::ScaleOut::One;
-  }
+  gemm_k(mma1, rKa, rKb, accKK, GMMA::ScaleOut::Zero);
+  gemm_k(mma1, rQa, rKb, accQK, GMMA::ScaleOut::Zero);
   warpgroup_commit_batch();
   warpgroup_wait<0>();
   warpgroup_fence_operand(accKK);
@@ -397,22 +387,10 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   warpgroup_fence_operand(accW);
   warpgroup_fence_operand(accU);
   warpgroup_arrive();
-  mma2.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rAwh); ++k) {
-    cute::gemm(mma2, rAwh(_, _, k), rKb2(_, _, k), accW);
-    mma2.accumulate_ = GMMA::ScaleOut::One;
-  }
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rAwl); ++k) cute::gemm(mma2, rAwl(_, _, k), rKb2(_, _, k), accW);
-  mma2.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rAuh); ++k) {
-    cute::gemm(mma2, rAuh(_, _, k), rVb2(_, _, k), accU);
-    mma2.accumulate_ = GMMA::ScaleOut::One;
-  }
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rAul); ++k) cute::gemm(mma2, rAul(_, _, k), rVb2(_, _, k), accU);
+  gemm_k(mma2, rAwh, rKb2, accW, GMMA::ScaleOut::Zero);
+  gemm_k(mma2, rAwl, rKb2, accW, GMMA::ScaleOut::One);
+  gemm_k(mma2, rAuh, rVb2, accU, GMMA::ScaleOut::Zero);
+  gemm_k(mma2, rAul, rVb2, accU, GMMA::ScaleOut::One);
   warpgroup_commit_batch();
   warpgroup_wait<0>();
   warpgroup_fence_operand(accW);

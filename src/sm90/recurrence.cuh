@@ -299,25 +299,13 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     warpgroup_fence_operand(accU);
     warpgroup_fence_operand(accO);
     warpgroup_arrive();
-    mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rWh); ++k) {
-      cute::gemm(mmaU, rWh(_, _, k), rSh(_, _, k), accU);
-      mmaU.accumulate_ = GMMA::ScaleOut::One;
-    }
+    gemm_k(mmaU, rWh, rSh, accU, GMMA::ScaleOut::Zero);
     if (prec & kPrecSlo) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
+      gemm_k(mmaU, rWh, rSl, accU, GMMA::ScaleOut::One);
     }
-    mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rQ); ++k) {
-      cute::gemm(mmaU, rQ(_, _, k), rSh(_, _, k), accO);
-      mmaU.accumulate_ = GMMA::ScaleOut::One;
-    }
+    gemm_k(mmaU, rQ, rSh, accO, GMMA::ScaleOut::Zero);
     if (prec & kPrecSlo) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accO);
+      gemm_k(mmaU, rQ, rSl, accO, GMMA::ScaleOut::One);
     }
     warpgroup_commit_batch();
     warpgroup_wait<0>();
@@ -355,23 +343,16 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     warpgroup_arrive();
-    mmaU.accumulate_ = GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUh(_, _, k), accO);
+    gemm_k(mmaU, rAh, rUh, accO, GMMA::ScaleOut::One);
     if (prec & kPrecUlo) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accO);
+      gemm_k(mmaU, rAh, rUl, accO, GMMA::ScaleOut::One);
     }
     if (prec & kPrecAlo) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accO);
+      gemm_k(mmaU, rAl, rUh, accO, GMMA::ScaleOut::One);
     }
-    mmaS.accumulate_ = GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXh(_, _, k), accS);
+    gemm_k(mmaS, rKt, rXh, accS, GMMA::ScaleOut::One);
     if (prec & kPrecXlo) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+      gemm_k(mmaS, rKt, rXl, accS, GMMA::ScaleOut::One);
     }
     warpgroup_commit_batch();
     warpgroup_wait<0>();
@@ -522,14 +503,8 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       // U' = w S (w_hi S_hi + w_hi S_lo).
       warpgroup_fence_operand(accU);
       warpgroup_arrive();
-      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rWh); ++k) {
-        cute::gemm(mmaU, rWh(_, _, k), rSh(_, _, k), accU);
-        mmaU.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rWh); ++k) cute::gemm(mmaU, rWh(_, _, k), rSl(_, _, k), accU);
+      gemm_k(mmaU, rWh, rSh, accU, GMMA::ScaleOut::Zero);
+      gemm_k(mmaU, rWh, rSl, accU, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accU);
@@ -562,11 +537,8 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
       warpgroup_fence_operand(accS);
       warpgroup_arrive();
-      mmaS.accumulate_ = GMMA::ScaleOut::One;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXh(_, _, k), accS);
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rKt); ++k) cute::gemm(mmaS, rKt(_, _, k), rXl(_, _, k), accS);
+      gemm_k(mmaS, rKt, rXh, accS, GMMA::ScaleOut::One);
+      gemm_k(mmaS, rKt, rXl, accS, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
@@ -604,24 +576,11 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       warpgroup_fence_operand(accQS);
       warpgroup_fence_operand(accAU);
       warpgroup_arrive();
-      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rQ); ++k) {
-        cute::gemm(mmaU, rQ(_, _, k), rSh(_, _, k), accQS);
-        mmaU.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rQ); ++k) cute::gemm(mmaU, rQ(_, _, k), rSl(_, _, k), accQS);
-      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rAh); ++k) {
-        cute::gemm(mmaU, rAh(_, _, k), rUh(_, _, k), accAU);
-        mmaU.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rAh); ++k) cute::gemm(mmaU, rAh(_, _, k), rUl(_, _, k), accAU);
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rAl); ++k) cute::gemm(mmaU, rAl(_, _, k), rUh(_, _, k), accAU);
+      gemm_k(mmaU, rQ, rSh, accQS, GMMA::ScaleOut::Zero);
+      gemm_k(mmaU, rQ, rSl, accQS, GMMA::ScaleOut::One);
+      gemm_k(mmaU, rAh, rUh, accAU, GMMA::ScaleOut::Zero);
+      gemm_k(mmaU, rAh, rUl, accAU, GMMA::ScaleOut::One);
+      gemm_k(mmaU, rAl, rUh, accAU, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accQS);
