@@ -79,37 +79,29 @@ if want grid; then
   timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
     | tee "$OUT/grid_fwd.log" | tail -45
 fi
-if want grid-par; then
-  # The forward grid split by head configurations over the GPUs of the machine, one process
-  # per GPU (each row still times QLA and its peers side by side in one process), then merged.
-  # GRID_GROUPS: head lists separated by ';', one per GPU.
-  echo "== forward grid, parallel over GPUs"
-  IFS=';' read -ra groups <<< "${GRID_GROUPS:-2/8,4/16,8/32,16/64,16/32;8/24,16/48,16/16,32/32}"
-  jsons=()
+# A grid (kind fwd or bwd) split by head configurations over the GPUs of the machine, one
+# process per GPU (each row still times QLA and its peers side by side in one process), then
+# merged. GRID_GROUPS: head lists separated by ';', one per GPU (default: the second argument).
+grid_par() {
+  local kind=$1 groups jsons=() i
+  IFS=';' read -ra groups <<< "${GRID_GROUPS:-$2}"
   for i in "${!groups[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd --heads "${groups[$i]}" \
-      ${GRID_ARGS:-} --json "$OUT/grid_fwd_$i.json" > "$OUT/grid_fwd_$i.log" 2>&1 &
-    jsons+=("$OUT/grid_fwd_$i.json")
+    CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind "$kind" --heads "${groups[$i]}" \
+      ${GRID_ARGS:-} --json "$OUT/grid_${kind}_$i.json" > "$OUT/grid_${kind}_$i.log" 2>&1 &
+    jsons+=("$OUT/grid_${kind}_$i.json")
   done
   wait
-  tail -3 "$OUT"/grid_fwd_*.log
-  python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_fwd.md" 2>&1 | tail -3
-  grep -E "geometric|faster on" "$OUT/grid_fwd.md"
+  tail -n 3 "$OUT"/grid_"${kind}"_*.log
+  python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_${kind}.md" 2>&1 | tail -n 3
+  grep -E "geometric|faster on" "$OUT/grid_${kind}.md"
+}
+if want grid-par; then
+  echo "== forward grid, parallel over GPUs"
+  grid_par fwd "2/8,4/16,8/32,16/64,16/32;8/24,16/48,16/16,32/32"
 fi
 if want grid-bwd-par; then
-  # The backward grid split by head configurations over the GPUs (as grid-par), then merged.
   echo "== backward grid, parallel over GPUs"
-  IFS=';' read -ra groups <<< "${GRID_GROUPS:-16/32,2/4;8/16,4/8}"
-  jsons=()
-  for i in "${!groups[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind bwd --heads "${groups[$i]}" \
-      ${GRID_ARGS:-} --json "$OUT/grid_bwd_$i.json" > "$OUT/grid_bwd_$i.log" 2>&1 &
-    jsons+=("$OUT/grid_bwd_$i.json")
-  done
-  wait
-  tail -3 "$OUT"/grid_bwd_*.log
-  python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_bwd.md" 2>&1 | tail -3
-  grep -E "geometric|faster on" "$OUT/grid_bwd.md"
+  grid_par bwd "16/32,2/4;8/16,4/8"
 fi
 if want grid-bwd; then
   echo "== backward grid"

@@ -59,6 +59,18 @@ def state_shape(q, v, n, state_v_first):
 _WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the core once per shape
 
 
+def _run_cuda(run, query, key, shape, descs, scale, layout, dev):
+    """One CUDA call of the core (forward or backward): its workspace (size cached per key),
+    then the launch on the current stream."""
+    ws_bytes = _WORKSPACE_BYTES.get(key)
+    if ws_bytes is None:
+        ws_bytes = query(shape, *descs, scale, layout, 1)
+        _WORKSPACE_BYTES[key] = ws_bytes
+    ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
+    run(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
+        0 if ws is None else ws.data_ptr(), ws_bytes, 0)
+
+
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first):
     """The forward itself; returns (o, final state or None). Called through the custom op
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
@@ -78,14 +90,8 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     if dev.type != "cuda":
         _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
         return o, ht
-    key = (shape, n, q.dtype, dev.index)
-    ws_bytes = _WORKSPACE_BYTES.get(key)
-    if ws_bytes is None:
-        ws_bytes = _C.forward_workspace_size(shape, *descs, scale, layout, 1)
-        _WORKSPACE_BYTES[key] = ws_bytes
-    ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
-    _C.forward(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
-               0 if ws is None else ws.data_ptr(), ws_bytes, 0)
+    _run_cuda(_C.forward, _C.forward_workspace_size, ("fwd", shape, n, q.dtype, dev.index), shape, descs, scale,
+              layout, dev)
     return o, ht
 
 
@@ -164,14 +170,8 @@ def gdn_bwd(
     if dev.type != "cuda":
         _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
         return dq, dk, dv, dg, dbeta, dh0
-    key = ("bwd", shape, n, q.dtype, dev.index)
-    ws_bytes = _WORKSPACE_BYTES.get(key)
-    if ws_bytes is None:
-        ws_bytes = _C.backward_workspace_size(shape, *descs, scale, layout, 1)
-        _WORKSPACE_BYTES[key] = ws_bytes
-    ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
-    _C.backward(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
-                0 if ws is None else ws.data_ptr(), ws_bytes, 0)
+    _run_cuda(_C.backward, _C.backward_workspace_size, ("bwd", shape, n, q.dtype, dev.index), shape, descs, scale,
+              layout, dev)
     return dq, dk, dv, dg, dbeta, dh0
 
 

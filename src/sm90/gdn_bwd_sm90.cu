@@ -280,13 +280,8 @@ Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
 Status backward(const GdnBackwardParams& p) {
   Status s = bwd_check_supported(p);
   if (!s.ok()) return s;
-  const size_t need = bwd_ws_layout(p).total;
-  if (p.workspace_bytes < need || (need > 0 && p.workspace == nullptr))
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "sm90 backward: workspace too small (" + std::to_string(p.workspace_bytes) + " < " +
-                             std::to_string(need) + " bytes)");
-  if (!aligned(p.workspace, 16))
-    return Status::Error(StatusCode::kInvalidArgument, "sm90 backward: workspace must be 16-byte aligned");
+  s = check_workspace("sm90 backward", p.workspace, p.workspace_bytes, bwd_ws_layout(p).total);
+  if (!s.ok()) return s;
   if (p.q.dtype == DType::kBFloat16) return bwd_launch<cutlass::bfloat16_t>(p);
   return bwd_launch<cutlass::half_t>(p);
 }

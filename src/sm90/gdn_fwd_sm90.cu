@@ -254,13 +254,8 @@ Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes) {
 Status forward(const GdnForwardParams& p) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  const size_t need = ws_layout(p).total;
-  if (p.workspace_bytes < need || (need > 0 && p.workspace == nullptr))
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "sm90 forward: workspace too small (" + std::to_string(p.workspace_bytes) + " < " +
-                             std::to_string(need) + " bytes)");
-  if (!aligned(p.workspace, 16))
-    return Status::Error(StatusCode::kInvalidArgument, "sm90 forward: workspace must be 16-byte aligned");
+  s = check_workspace("sm90 forward", p.workspace, p.workspace_bytes, ws_layout(p).total);
+  if (!s.ok()) return s;
   if (p.q.dtype == DType::kBFloat16) return launch<cutlass::bfloat16_t>(p);
   return launch<cutlass::half_t>(p);
 }

@@ -86,6 +86,16 @@ const char* dt_name(DType d) {
 
 bool aligned(const void* ptr, size_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
 
+// The caller's workspace: at least `need` bytes (non-null when need > 0), 16-byte aligned.
+Status check_workspace(const char* who, const void* ws, size_t have, size_t need) {
+  if (have < need || (need > 0 && ws == nullptr))
+    return Status::Error(StatusCode::kInvalidArgument, std::string(who) + ": workspace too small (" +
+                                                            std::to_string(have) + " < " + std::to_string(need) + " bytes)");
+  if (!aligned(ws, 16))
+    return Status::Error(StatusCode::kInvalidArgument, std::string(who) + ": workspace must be 16-byte aligned");
+  return Status::Ok();
+}
+
 // Tensor map of a 16-bit [B, T, heads, 128] tensor (q, k, v or dO) as (d, head, token, batch)
 // with a (64, 1, 64, 1) box and 128-byte swizzle: one box is one K-block (64 tokens x 64 d) of a
 // GMMA tile. The driver entry point comes through the runtime (no libcuda link).
