@@ -42,6 +42,7 @@ __device__ __forceinline__ void mma_ss(MMA& mma, int tid, const TA& sA, const TB
 // ---------------------------------------------------------------------------------------------
 struct RevParams {
   CUtensorMap tmq, tmk, tmdo;  // q, k, dO as (d, head, token, batch), box (64, 1, 64, 1)
+  CUtensorMap tmdo32;          // dO with a (32, 1, 64, 1) box, 64-byte swizzle (V tile 32)
   SeqDesc sd;
   const int* chunk_off;
   const void* regions;
@@ -251,6 +252,300 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
     store_ds();
   }
   store_state_tile(p.dh0, p.sdh0, p.vk, n, hv, v0, accS, cS);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4b. Warp-specialized reverse chain (V tile 32): the products that do not involve dS leave the
+//     sequential path, as the forward's output warpgroup does for O.
+//     warps 0-3 (chain WG): dU = gk (K dSn) + PdO; dS = e^Gamma dSn + G - W^T dU
+//     warps 4-7 (side WG):  per chunk, ahead of the chain: dOg = diag(scale e^gamma) dO (hi/lo),
+//                           PdO = P^T dO (64 x 32) and G = Q^T dOg (128 x 32), fp32, handed to
+//                           the chain through double-buffered shared memory in fragment order
+//     warp 8 (producer):    the chunk's image, Q, K, the dO tile (32 columns) and gates.
+//   The side WG arrives on `pready[it % 2]` once PdO and G of iteration it are written; the chain
+//   arrives on `pfree[it % 2]` once it has read them. The side WG waits for `pfree` of
+//   iteration it - 2 before writing iteration it.
+// ---------------------------------------------------------------------------------------------
+constexpr int kRevWsVT = 32;
+struct RevWsCfg {
+  static constexpr int VT = kRevWsVT;
+  static constexpr uint32_t kOBytes = kC * VT * 2;  // dO tile (tok x 32 v), 64-byte swizzle
+  static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStO = kStK + kQKBytes, kStG = kStO + kOBytes;
+  static constexpr uint32_t kStageBytes = kStG + 1024;
+  static constexpr uint32_t kBarOff = kStG + 768;
+  static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kOBytes + kGateBytes;
+  static constexpr uint32_t kSBytes = 2 * kDK * VT * 2;        // dS hi/lo (v, d)
+  static constexpr uint32_t kUBytes = 2 * kC * VT * 2;         // -dU hi/lo (v, tok)
+  static constexpr uint32_t kGBytes = 2 * kC * VT * 2;         // dOg hi/lo (v, tok)
+  static constexpr uint32_t kHBytes = (kC * VT + kDK * VT) * 4;  // PdO | G fp32 (fragment order)
+  static constexpr uint32_t kOffS = kStages * kStageBytes;
+  static constexpr uint32_t kOffU = kOffS + kSBytes;
+  static constexpr uint32_t kOffG = kOffU + kUBytes;
+  static constexpr uint32_t kOffH = kOffG + kGBytes;          // 2 hand-over buffers
+  static constexpr uint32_t kOffBar = kOffH + 2 * kHBytes;    // pready[2], pfree[2]
+  static constexpr size_t kSmem = 1024 + kOffBar + 64;
+  static_assert(kSmem <= 232448, "warp-specialized reverse kernel smem over the 227 KiB limit");
+  static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
+  static_assert(kStageBytes % 1024 == 0 && kOffS % 1024 == 0 && kOffU % 1024 == 0 && kOffG % 1024 == 0,
+                "swizzled images need 1 KiB alignment");
+};
+
+template <class T>
+__global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_constant__ RevParams p) {
+  using Cfg = RevWsCfg;
+  constexpr int VT = Cfg::VT;
+  using L = Lay<T>;
+  using RL = RecLay<T, VT>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  T* sSh = reinterpret_cast<T*>(sm + Cfg::kOffS);  // dS hi/lo (v, d)
+  T* sSl = sSh + kDK * VT;
+  T* sUh = reinterpret_cast<T*>(sm + Cfg::kOffU);  // -dU hi/lo (v, tok)
+  T* sUl = sUh + kC * VT;
+  T* sGh = reinterpret_cast<T*>(sm + Cfg::kOffG);  // dOg hi/lo (v, tok)
+  T* sGl = sGh + kC * VT;
+  auto hbuf = [&](int par) { return reinterpret_cast<float*>(sm + Cfg::kOffH + par * Cfg::kHBytes); };
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
+  uint64_t* empty = full + kStages;
+  uint64_t* pready = reinterpret_cast<uint64_t*>(sm + Cfg::kOffBar);
+  uint64_t* pfree = pready + 2;
+
+  const int tid = threadIdx.x, warp = tid >> 5, wt = tid & 127;
+  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
+  if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: launch 6 writes NaN
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int nch = static_cast<int>((slen + kC - 1) / kC), ci0 = p.chunk_off[n];
+  const int v0 = vt * VT;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);  // both math warpgroups release a stage
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&pready[s], 128);
+      mbar_init(&pfree[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == 8) {  // producer: chunks in reverse order
+    if ((tid & 31) == 0) {
+      const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
+      const int hq = hv / (p.HV / p.H);
+      for (int it = 0; it < nch; ++it) {
+        const int c = nch - 1 - it, st = it % kStages;
+        const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kRegionBytes;
+        uint8_t* dst = sm + st * Cfg::kStageBytes;
+        const int tok = static_cast<int>(t0) + c * kC;
+        mbar_wait(&empty[st], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&full[st], Cfg::kStageTx);
+        bulk_g2s(dst, src, kImgBytes, &full[st]);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+          tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+        }
+        // Rows past the sequence end belong to the next sequence: the A rows and scale e^gamma
+        // there are zero (prep), so they reach neither dU nor dS.
+        tma_load_4d(dst + Cfg::kStO, &p.tmdo32, v0, hv, tok, static_cast<int>(b), &full[st]);
+        bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
+      }
+    }
+    return;
+  }
+
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
+  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto thrU = mmaU.get_thread_slice(wt);
+  auto thrS = mmaS.get_thread_slice(wt);
+  // Fragment sizes per thread: 64 x VT -> 16 floats, 128 x VT -> 32 floats.
+  constexpr int kFragU = kC * VT / 128, kFragS = kDK * VT / 128;
+
+  if (warp < 4) {
+    // ---------------- chain warpgroup ----------------
+    Tensor tS = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});   // (v, d), offsets
+    Tensor tU = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok), offsets
+    Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});     // dS (d, v)
+    Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});      // K dSn
+    Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
+    Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
+    static_assert(decltype(size(accS))::value == kFragS && decltype(size(accU))::value == kFragU, "fragments");
+    Tensor rSh = thrU.partition_fragment_B(tS);
+    Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
+    Tensor rUh = thrS.partition_fragment_B(tU);
+    Tensor rUl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
+    T* swz = reinterpret_cast<T*>(sm);
+
+    auto store_ds = [&]() {  // dS -> hi/lo images for the next chunk's K dSn
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); i += 2) {
+        uint32_t h, l;
+        split_pair<T>(accS(i), accS(i + 1), h, l);
+        const int off = static_cast<int>(&tS(get<1>(cS(i)), get<0>(cS(i))) - sSh);
+        *reinterpret_cast<uint32_t*>(sSh + off) = h;
+        *reinterpret_cast<uint32_t*>(sSl + off) = l;
+      }
+      fence_async_smem();
+      math_bar();
+    };
+
+    load_state_tile(p.dht, p.sdht, p.vk, n, hv, v0, accS, cS);
+    store_ds();
+
+    for (int it = 0; it < nch; ++it) {
+      const int c = nch - 1 - it, st = it % kStages, par = it & 1, ci = ci0 + c;
+      uint8_t* stb = sm + st * Cfg::kStageBytes;
+      const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
+      store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS, sm);        // dSn of chunk c
+      mbar_wait(&full[st], (it / kStages) & 1);
+      Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
+      Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::DTok_MN{}));
+
+      // K dSn (hi + lo).
+      warpgroup_fence_operand(accU);
+      warpgroup_arrive();
+      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rK); ++k) {
+        cute::gemm(mmaU, rK(_, _, k), rSh(_, _, k), accU);
+        mmaU.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rK); ++k) cute::gemm(mmaU, rK(_, _, k), rSl(_, _, k), accU);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accU);
+
+      // dU = gk (K dSn) + PdO; dS = e^Gamma dSn + G (before W^T dU). Hand-over in fragment order.
+      mbar_wait(&pready[par], (it >> 1) & 1);
+      const float* hb = hbuf(par);
+      const float* hP = hb + wt * kFragU;
+      const float* hG = hb + kC * VT + wt * kFragS;
+      T* dug = static_cast<T*>(p.du) + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV);
+      CUTE_UNROLL
+      for (int i = 0; i < size(accU); i += 2) {
+        const int r = get<0>(cU(i)), v = get<1>(cU(i));
+        const float gk = sG[kC + r];
+        const float2 pd = *reinterpret_cast<const float2*>(hP + i);
+        const float d0 = gk * accU(i) + pd.x, d1 = gk * accU(i + 1) + pd.y;
+        uint32_t h, l;
+        split_pair<T>(-d0, -d1, h, l);
+        *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokD_K>(swz, r, v0 + v)) = h;
+        const int off = static_cast<int>(&tU(v, r) - sUh);
+        *reinterpret_cast<uint32_t*>(sUh + off) = h;
+        *reinterpret_cast<uint32_t*>(sUl + off) = l;
+      }
+      const float eG = sG[2 * kC];
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); i += 4) {
+        const float4 g4 = *reinterpret_cast<const float4*>(hG + i);
+        accS(i) = eG * accS(i) + g4.x;
+        accS(i + 1) = eG * accS(i + 1) + g4.y;
+        accS(i + 2) = eG * accS(i + 2) + g4.z;
+        accS(i + 3) = eG * accS(i + 3) + g4.w;
+      }
+      mbar_arrive(&pfree[par]);  // PdO and G of this iteration are read
+      fence_async_smem();
+      math_bar();  // -dU images complete
+
+      // dS += W^T (-dU) (hi + lo).
+      warpgroup_fence_operand(accS);
+      warpgroup_arrive();
+      mmaS.accumulate_ = GMMA::ScaleOut::One;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUh(_, _, k), accS);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUl(_, _, k), accS);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      mbar_arrive(&empty[st]);  // w, K and the gates of this stage are consumed
+      store_ds();               // its barrier also ends every warp's reads of the -dU images
+    }
+    store_state_tile(p.dh0, p.sdh0, p.vk, n, hv, v0, accS, cS);
+  } else {
+    // ---------------- side warpgroup ----------------
+    Tensor accP = partition_fragment_C(mmaS, Shape<_64, Int<VT>>{});   // P^T dO
+    Tensor accG = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});  // Q^T dOg
+    static_assert(decltype(size(accG))::value == kFragS && decltype(size(accP))::value == kFragU, "fragments");
+    Tensor rGh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGh), typename RL::VTok_MN{}));
+    Tensor rGl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGl), typename RL::VTok_MN{}));
+    for (int it = 0; it < nch; ++it) {
+      const int st = it % kStages, par = it & 1;
+      uint8_t* stb = sm + st * Cfg::kStageBytes;
+      T* base = reinterpret_cast<T*>(stb);
+      T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
+      const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);
+      mbar_wait(&full[st], (it / kStages) & 1);
+
+      // dOg = diag(scale e^gamma) dO as hi/lo (v, tok) images (pairs of adjacent v). The
+      // previous iteration's products have read them: every side warp passed its wgmma wait
+      // and the barrier below before any of them writes again.
+      {
+        Tensor tO = make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{});
+        CUTE_UNROLL
+        for (int k = 0; k < (kC * VT / 2) / 128; ++k) {
+          const int q = wt + 128 * k, r = q / (VT / 2), v = (q % (VT / 2)) * 2;
+          const int off = static_cast<int>(&tO(v, r) - sO);
+          const float2 o2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sO + off));
+          const float gq = sG[r];
+          uint32_t h, l;
+          split_pair<T>(gq * o2.x, gq * o2.y, h, l);
+          *reinterpret_cast<uint32_t*>(sGh + off) = h;
+          *reinterpret_cast<uint32_t*>(sGl + off) = l;
+        }
+      }
+      fence_async_smem();
+      asm volatile("bar.sync 2, 128;" ::: "memory");  // side warpgroup only
+
+      Tensor rQt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStQ)), typename L::DTok_MN{}));
+      Tensor rPh = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_MN{}));
+      Tensor rPl = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_MN{}));
+      Tensor rO = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{}));
+      warpgroup_fence_operand(accP);
+      warpgroup_fence_operand(accG);
+      warpgroup_arrive();
+      mmaS.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rPh); ++k) {
+        cute::gemm(mmaS, rPh(_, _, k), rO(_, _, k), accP);
+        mmaS.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rPl); ++k) cute::gemm(mmaS, rPl(_, _, k), rO(_, _, k), accP);
+      mmaS.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQt); ++k) {
+        cute::gemm(mmaS, rQt(_, _, k), rGh(_, _, k), accG);
+        mmaS.accumulate_ = GMMA::ScaleOut::One;
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(rQt); ++k) cute::gemm(mmaS, rQt(_, _, k), rGl(_, _, k), accG);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accP);
+      warpgroup_fence_operand(accG);
+      mbar_arrive(&empty[st]);  // Q, A, dO and the gates of this stage are consumed
+
+      // Hand PdO and G over (fragment order: the chain thread with the same index reads them).
+      if (it >= 2) mbar_wait(&pfree[par], ((it - 2) >> 1) & 1);
+      float* hb = hbuf(par);
+      float* hP = hb + wt * kFragU;
+      float* hG = hb + kC * VT + wt * kFragS;
+      CUTE_UNROLL
+      for (int i = 0; i < size(accP); i += 4)
+        *reinterpret_cast<float4*>(hP + i) = make_float4(accP(i), accP(i + 1), accP(i + 2), accP(i + 3));
+      CUTE_UNROLL
+      for (int i = 0; i < size(accG); i += 4)
+        *reinterpret_cast<float4*>(hG + i) = make_float4(accG(i), accG(i + 1), accG(i + 2), accG(i + 3));
+      mbar_arrive(&pready[par]);
+      asm volatile("bar.sync 2, 128;" ::: "memory");  // every side warp is done with this iteration's images
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -114,16 +114,19 @@ Status bwd_launch(const GdnBackwardParams& p) {
                  "cudaFuncSetAttribute(gdn_recur_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_bwd_reverse)");
+    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevWsCfg::kSmem),
+                 "cudaFuncSetAttribute(gdn_bwd_reverse_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
                  "cudaFuncSetAttribute(gdn_bwd_grads)");
     __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
   }
 
-  CUtensorMap tmq, tmk, tmv, tmdo;
+  CUtensorMap tmq, tmk, tmv, tmdo, tmdo32;
   Status ms = make_tile_map(&tmq, p.q, H, p.shape);
   if (ms.ok()) ms = make_tile_map(&tmk, p.k, H, p.shape);
   if (ms.ok()) ms = make_tile_map(&tmv, p.v, HV, p.shape);
   if (ms.ok()) ms = make_tile_map(&tmdo, p.d_o, HV, p.shape);
+  if (ms.ok()) ms = make_tile_map(&tmdo32, p.d_o, HV, p.shape, 32);
   if (!ms.ok()) return ms;
 
   SeqDesc sd;
@@ -159,6 +162,10 @@ Status bwd_launch(const GdnBackwardParams& p) {
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
   }
 
+  // V tile 32 (warp-specialized kernels) for the two sequential passes when the forward would
+  // pick it: few sequences and heads. V tile 64 (one math warpgroup) otherwise.
+  const bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
+
   {  // 3. states entering every chunk
     RecParams rp{};
     rp.tmq = tmq;
@@ -177,8 +184,6 @@ Status bwd_launch(const GdnBackwardParams& p) {
     // The output is not needed: it goes to dv, which launch 5 overwrites (every valid token).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
-    // V tile 32 (warp-specialized) when the forward would pick it: few sequences and heads.
-    const bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
     if (vt32)
       gdn_recur_ws<T, true><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
     else
@@ -191,6 +196,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.tmq = tmq;
     rv.tmk = tmk;
     rv.tmdo = tmdo;
+    rv.tmdo32 = tmdo32;
     rv.sd = sd;
     rv.chunk_off = table;
     rv.regions = ws + wl.regions;
@@ -203,7 +209,10 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.N = N;
     rv.H = H;
     rv.HV = HV;
-    gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 160, RevCfg::kSmem, stream>>>(rv);
+    if (vt32)
+      gdn_bwd_reverse_ws<T><<<dim3(N * (kDV / kRevWsVT), HV), 288, RevWsCfg::kSmem, stream>>>(rv);
+    else
+      gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 160, RevCfg::kSmem, stream>>>(rv);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_reverse");
   }
 

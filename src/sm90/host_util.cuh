@@ -98,8 +98,9 @@ Status check_workspace(const char* who, const void* ws, size_t have, size_t need
 
 // Tensor map of a 16-bit [B, T, heads, 128] tensor (q, k, v or dO) as (d, head, token, batch)
 // with a (64, 1, 64, 1) box and 128-byte swizzle: one box is one K-block (64 tokens x 64 d) of a
-// GMMA tile. The driver entry point comes through the runtime (no libcuda link).
-Status make_tile_map(CUtensorMap* map, const TensorRef& t, int64_t heads, const GdnShape& shape) {
+// GMMA tile. box_cols = 32: a (32, 1, 64, 1) box with 64-byte swizzle (a V tile of 32 as the
+// MN-major (v, tok) operand). The driver entry point comes through the runtime (no libcuda link).
+Status make_tile_map(CUtensorMap* map, const TensorRef& t, int64_t heads, const GdnShape& shape, int box_cols = 64) {
   *map = CUtensorMap{};
   if (shape.seqlen == 0 || shape.batch == 0) return Status::Ok();  // never read
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;    // benign race: same value
@@ -115,11 +116,12 @@ Status make_tile_map(CUtensorMap* map, const TensorRef& t, int64_t heads, const 
                               static_cast<cuuint64_t>(shape.seqlen), static_cast<cuuint64_t>(shape.batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride[2]) * 2, static_cast<cuuint64_t>(t.stride[1]) * 2,
                                  static_cast<cuuint64_t>(t.stride[0]) * 2};
-  const cuuint32_t box[4] = {64, 1, kC, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), 1, kC, 1};
   const cuuint32_t estride[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, t.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                             4, const_cast<void*>(t.data), dims, strides, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return Status::Error(StatusCode::kInvalidArgument,
                          "sm90: cuTensorMapEncodeTiled failed for a 16-bit input (error " + std::to_string(int(r)) + ")");
