@@ -52,7 +52,7 @@ struct RevParams {
   int64_t sdh0[3];
   int vk;
   void* dsn;  // [region] 16-bit DD_K image of dSn (32 KiB)
-  void* du;   // [region] 16-bit TokD_K image of -dU (16 KiB)
+  void* du;   // [region] 16-bit TokV_K image of -dU (16 KiB)
   int N, H, HV;
 };
 
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant_
       const float d0 = gk * accU(i) + accP(i), d1 = gk * accU(i + 1) + accP(i + 1);
       uint32_t h, l;
       split_pair<T>(-d0, -d1, h, l);
-      *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokD_K>(swz, r, v0 + v)) = h;
+      *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokV_K>(swz, r, v0 + v)) = h;
       const int off = static_cast<int>(&tU(v, r) - sUh);
       *reinterpret_cast<uint32_t*>(sUh + off) = h;
       *reinterpret_cast<uint32_t*>(sUl + off) = l;
@@ -378,7 +378,6 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
     Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
     Tensor rUh = thrS.partition_fragment_B(tU);
     Tensor rUl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
-    T* swz = reinterpret_cast<T*>(sm);
 
     auto store_ds = [&]() {  // dS -> hi/lo images for the next chunk's K dSn
       CUTE_UNROLL
@@ -400,7 +399,10 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       const int c = nch - 1 - it, st = it % kStages, par = it & 1, ci = ci0 + c;
       uint8_t* stb = sm + st * Cfg::kStageBytes;
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-      store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS, sm);        // dSn of chunk c
+      if (wt == 0) {  // dSn of chunk c: its hi image (stored by store_ds) is the image block
+        bulk_s2g(image_block<T>(p.dsn, kDK * kDV, p.HV, ci, hv, vt), sSh, kDK * VT * sizeof(T));
+        bulk_commit();
+      }
       mbar_wait(&full[st], (it / kStages) & 1);
       Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
       Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::DTok_MN{}));
@@ -425,7 +427,6 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       const float* hb = hbuf(par);
       const float* hP = hb + wt * kFragU;
       const float* hG = hb + kC * VT + wt * kFragS;
-      T* dug = static_cast<T*>(p.du) + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV);
       CUTE_UNROLL
       for (int i = 0; i < size(accU); i += 2) {
         const int r = get<0>(cU(i)), v = get<1>(cU(i));
@@ -434,7 +435,6 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
         const float d0 = gk * accU(i) + pd.x, d1 = gk * accU(i + 1) + pd.y;
         uint32_t h, l;
         split_pair<T>(-d0, -d1, h, l);
-        *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokD_K>(swz, r, v0 + v)) = h;
         const int off = static_cast<int>(&tU(v, r) - sUh);
         *reinterpret_cast<uint32_t*>(sUh + off) = h;
         *reinterpret_cast<uint32_t*>(sUl + off) = l;
@@ -450,7 +450,12 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       }
       mbar_arrive(&pfree[par]);  // PdO and G of this iteration are read
       fence_async_smem();
-      math_bar();  // -dU images complete
+      if (wt == 0) bulk_wait_read();  // the dSn block has left sSh: store_ds may overwrite it
+      math_bar();                     // -dU images complete
+      if (wt == 0) {                  // -dU hi is the image block
+        bulk_s2g(image_block<T>(p.du, kC * kDV, p.HV, ci, hv, vt), sUh, kC * VT * sizeof(T));
+        bulk_commit();
+      }
 
       // dS += W^T (-dU) (hi + lo).
       warpgroup_fence_operand(accS);
@@ -464,8 +469,10 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
       mbar_arrive(&empty[st]);  // w, K and the gates of this stage are consumed
+      if (wt == 0) bulk_wait_read();  // the -dU block has left sUh: the next chunk refills it
       store_ds();               // its barrier also ends every warp's reads of the -dU images
     }
+    if (wt == 0) bulk_wait_all();
     store_state_tile(p.dh0, p.sdh0, p.vk, n, hv, v0, accS, cS);
   } else {
     // ---------------- side warpgroup ----------------
@@ -568,7 +575,7 @@ struct GradParams {
   const void* tm;      // Tm hi|lo images per region
   const void* states;  // S image per region (DD_K)
   const void* dsn;     // dSn image per region (DD_K)
-  const void* du;      // -dU image per region (TokD_K)
+  const void* du;      // -dU image per region (TokV_K)
   float *dqp, *dkp;
   void* dv;
   int64_t sdv[3];
@@ -756,6 +763,8 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   auto imgT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DTok_MN{}); };   // (d|v, tok)
   auto tt = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_K{}); };    // (i, j)
   auto ttT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokTok_MN{}); };  // (j, i)
+  auto tv = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::TokV_K{}); };      // (tok, v): -dU
+  auto vtk = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::VTok_MN{}); };    // (v, tok): -dU
   auto dd = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_K{}); };        // (d, v)
   auto ddT = [](T* ptr) { return make_tensor(make_smem_ptr(ptr), typename L::DD_MN{}); };      // (v, d)
   // This warpgroup's half of a B operand (N rows 64 wg .. 64 wg + 63, or 32 wg .. for N = 32).
@@ -867,7 +876,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   // (B19) dK = dA^T Q.
   mma_ss(mma_mn, wt, ttT(sdA), half(imgT(sQ)), accK, false);
   // (B21) dW = -dU S^T (the slot holds -dU).
-  mma_ss(mma_kk, wt, img(sndU), half(dd(sS)), acc, false);
+  mma_ss(mma_kk, wt, tv(sndU), half(dd(sS)), acc, false);
   __syncthreads();  // Q is dead: dW takes its slot
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
@@ -878,7 +887,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   __syncthreads();
 
   // (B23, B24, B29) dVb = Tm^T dU; dv = diag(beta) dVb; dbeta_i += <dVb_i, V_i>.
-  mma_ss(mma_mn, wt, ttT(sTm), half(imgT(sndU)), acc, false);  // = -dVb
+  mma_ss(mma_mn, wt, ttT(sTm), half(vtk(sndU)), acc, false);  // = -dVb
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) acc(i) = -acc(i);
   mbar_wait(&bar[2], 0);

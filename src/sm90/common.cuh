@@ -103,18 +103,24 @@ struct Lay {
   using DTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _64>{}, Step<_2, _1>{}));  // (d, tok)
   using TokTok_K = decltype(tile_to_shape(KAtom{}, Shape<_64, _64>{}));                   // (i, j)
   using TokTok_MN = decltype(tile_to_shape(MNAtom{}, Shape<_64, _64>{}));                  // (j, i): same bytes
-  // A full K x V state image (d, v), v contiguous, and the same bytes viewed as (v, d). With
-  // 128-byte swizzle its V columns 64 vt .. 64 vt + 63 are the vt-th 16 KiB half, which is exactly
-  // RecLay<T, 64>::VD_MN of a V tile of 64 (the backward stores and loads states this way).
-  using DD_K = decltype(tile_to_shape(KAtom{}, Shape<_128, _128>{}));
-  using DD_MN = decltype(tile_to_shape(MNAtom{}, Shape<_128, _128>{}, Step<_2, _1>{}));
+  // Backward images of a K x V state (d, v) and of -dU (tok, v), v contiguous, with 64-byte
+  // swizzle and 32-column blocks of v outermost: the columns 32 vt .. 32 vt + 31 are the vt-th
+  // contiguous block (8 KiB of a state, 4 KiB of -dU), byte-identical to RecLay<T, 32>::VD_MN and
+  // ::VTok_MN. A V-tile-32 chain kernel stores its block with one bulk copy of its shared-memory
+  // operand; the gradients kernel reads both views (tests/cuda/sm90_layout_test.cu checks this).
+  using K64Atom = GMMA::Layout_K_SW64_Atom<T>;
+  using MN64Atom = GMMA::Layout_MN_SW64_Atom<T>;
+  using DD_K = decltype(tile_to_shape(K64Atom{}, Shape<_128, _128>{}));                        // (d, v)
+  using DD_MN = decltype(tile_to_shape(MN64Atom{}, Shape<_128, _128>{}, Step<_2, _1>{}));      // (v, d)
+  using TokV_K = decltype(tile_to_shape(K64Atom{}, Shape<_64, _128>{}));                       // (tok, v)
+  using VTok_MN = decltype(tile_to_shape(MN64Atom{}, Shape<_128, _64>{}, Step<_2, _1>{}));     // (v, tok)
 };
 // Element offset of (i, j) in a swizzled image. The GMMA layouts swizzle the shared-memory
 // address bits, so evaluating the layout alone would miss the swizzle: go through a tensor over a
-// 1024-byte aligned shared-memory base (any; only the offset is used). Global copies of an image
-// use the same offsets, so a bulk copy moves them into shared memory unchanged.
+// 1024-byte aligned base (any; only the offset is used; the layout test calls it on the host).
+// Global copies of an image use the same offsets, so a bulk copy moves them unchanged.
 template <class Layout, class T>
-__device__ __forceinline__ int img_off(T* aligned_base, int i, int j) {
+__host__ __device__ __forceinline__ int img_off(T* aligned_base, int i, int j) {
   Tensor t = make_tensor(make_smem_ptr(aligned_base), Layout{});
   return static_cast<int>(&t(i, j) - aligned_base);
 }
@@ -251,6 +257,10 @@ __device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t by
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until the issued bulk stores have read their shared-memory source.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// As above, but the most recent bulk group may still be reading.
+__device__ __forceinline__ void bulk_wait_read_but_last() { asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); }
+// Every bulk store of this thread complete (writes performed), before the kernel ends.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 constexpr float kLog2e = 1.4426950408889634f;
 // 2^x on the special-function unit (relative error ~2^-22; flushes results below 2^-126 to 0).

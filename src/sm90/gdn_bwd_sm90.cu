@@ -3,8 +3,8 @@
 //   1. gdn_chunk_table:  chunk offsets and the cu_seqlens check (as in the forward).
 //   2. gdn_prep<T>:      the forward's prep, also storing Tm = (I+L)^-1 (hi/lo images).
 //   3. gdn_recur(_ws):   the forward's recurrence in its kStates role, also storing the state
-//                        entering every chunk (16-bit image); its output lands in dv, overwritten
-//                        by launch 5.
+//                        entering every chunk (16-bit image); the V-tile-32 kernel skips the
+//                        output, the V-tile-64 one writes it to dv, overwritten by launch 5.
 //   4. gdn_bwd_reverse:  the state-gradient chain in reverse, storing dSn and dU per chunk; dh0.
 //   5. gdn_bwd_grads:    chunk-parallel dv, dbeta, dg and per-value-head dq, dk partials.
 //   6. gdn_bwd_finish:   dq, dk summed over each value-head group (NaN outputs on bad cu_seqlens).
@@ -181,7 +181,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rp.HV = HV;
     rp.prec = kPrecDefault;
     rp.states = ws + wl.states;
-    // The output is not needed: it goes to dv, which launch 5 overwrites (every valid token).
+    // The output is not needed: the V-tile-64 kernel writes it to dv, which launch 5 overwrites.
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
     if (vt32)

@@ -119,7 +119,8 @@ __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int
   store_state_tile(p.hT, p.shT, p.vk, n, hv, v0, accS, cS);
 }
 // Backward: the state entering chunk ci of value head hv as a 16-bit image (Lay<T>::DD_K, 32 KiB
-// per region), the CTA's columns; pairs of adjacent v are one 4-byte store.
+// per region), the CTA's columns; pairs of adjacent v are one 4-byte store. (V-tile-32 kernels
+// store their block with one bulk copy instead: image_block.)
 // swz: the kernel's 1024-byte aligned shared-memory base (offsets only, see img_off).
 template <class T, class Acc, class Coord>
 __device__ __forceinline__ void store_state_image(void* images, int HV, int ci, int hv, int v0, const Acc& acc,
@@ -130,6 +131,13 @@ __device__ __forceinline__ void store_state_image(void* images, int HV, int ci, 
     const int off = img_off<typename Lay<T>::DD_K>(reinterpret_cast<T*>(swz), get<0>(cS(i)), v0 + get<1>(cS(i)));
     *reinterpret_cast<uint32_t*>(dst + off) = pack2<T>(acc(i), acc(i + 1));
   }
+}
+
+// Backward: the V-tile-32 block vt of region (ci, hv) in an image of `elems` 16-bit elements per
+// region (Lay<T>::DD_K or ::TokV_K); its bytes equal the CTA's RecLay<T, 32> hi operand.
+template <class T>
+__device__ __forceinline__ T* image_block(void* images, int elems, int HV, int ci, int hv, int vt) {
+  return static_cast<T*>(images) + (static_cast<size_t>(ci) * HV + hv) * elems + vt * (elems / (kDV / 32));
 }
 
 // Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
@@ -156,9 +164,11 @@ __device__ void fill_nan_outputs(const RecParams& p) {
 // Producer loop (one thread): for each chunk of the sequence, wait for a free stage, then the
 // bulk copy of the chunk's 16-bit image, TMA loads of its Q and K tiles straight from q and k,
 // and bulk copies of the CTA's u tile and the gates, all completing on the stage's `full`.
+// states_only (the backward's state pass, no O): w of the image, K, u and the gates.
 template <int VT>
 __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, uint64_t* full, uint64_t* empty,
-                                               int n, int hv, int vt, int64_t b, int64_t t0, int nch, int ci0) {
+                                               int n, int hv, int vt, int64_t b, int64_t t0, int nch, int ci0,
+                                               bool states_only = false) {
   using Cfg = RecCfg<VT>;
   const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
   const int hq = hv / (p.HV / p.H);
@@ -175,11 +185,12 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
       while (ld_acquire(f) == 0) __nanosleep(200);
       asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
     }
-    mbar_expect_tx(&full[st], Cfg::kStageTx);
-    bulk_g2s(dst, src, kImgBytes, &full[st]);
+    mbar_expect_tx(&full[st], states_only ? Cfg::kStageTx - (kImgBytes - kImgTokD * 2) - kQKBytes : Cfg::kStageTx);
+    bulk_g2s(dst, src, states_only ? kImgTokD * 2 : kImgBytes, &full[st]);  // w_hi | A_hi, A_lo
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {  // two 64-column boxes = the two K-blocks of the GMMA tile
-      tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
+      if (!states_only)
+        tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
       tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
     }
     // u tiles [V/32][tok][32] of this V tile are consecutive: one copy.
@@ -389,6 +400,9 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
 //   arrives on `uready[c%2]` once S_c and U_c are written; the output WG arrives on `ofree[c%2]`
 //   once its products have read them. Before writing S_{c+1} (parity of c-1) the state WG waits
 //   for `ofree` of chunk c-1, which also frees U's buffer for chunk c+1.
+//   kStates (the backward's state pass): no O. The output WG leaves at once, the producer skips
+//   Q and the A image, and the state WG stores each S_c hi buffer as its image block (one bulk
+//   copy by one thread, off the chain's critical path).
 // ---------------------------------------------------------------------------------------------
 constexpr int kWsVT = 32;
 struct RecWsCfg {
@@ -435,7 +449,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 256);  // both math warpgroups release a stage
+      mbar_init(&empty[s], kStates ? 128 : 256);  // the math warpgroups release a stage
     }
     for (int s = 0; s < 2; ++s) {
       mbar_init(&uready[s], 128);
@@ -446,9 +460,10 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
   __syncthreads();
 
   if (warp == 8) {  // producer
-    if ((tid & 31) == 0) produce_chunks<VT>(p, sm, full, empty, n, hv, vt, b, t0, nch, ci0);
+    if ((tid & 31) == 0) produce_chunks<VT>(p, sm, full, empty, n, hv, vt, b, t0, nch, ci0, kStates);
     return;
   }
+  if (kStates && warp >= 4) return;  // the state pass has no O: the output warpgroup idles
 
   auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
   auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
@@ -493,7 +508,12 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
       T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
-      if constexpr (kStates) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
+      if constexpr (kStates) {
+        if (wt == 0) {  // S_c hi (stored and fenced before the last barrier) is the image block
+          bulk_s2g(image_block<T>(p.states, kDK * kDV, p.HV, ci0 + c, hv, vt), sbuf(par), kDK * VT * sizeof(T));
+          bulk_commit();
+        }
+      }
       mbar_wait(&full[st], (c / kStages) & 1);
       Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
       Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
@@ -529,7 +549,9 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       }
       const float eG = sG[2 * kC];
       fence_async_smem();
-      mbar_arrive(&uready[par]);  // S_c and U_c are readable by the output WG
+      if (!kStates) mbar_arrive(&uready[par]);  // S_c and U_c are readable by the output WG
+      // The previous chunk's image block has left S buffer par ^ 1: store_state may refill it.
+      if (kStates && wt == 0) bulk_wait_read_but_last();
       math_bar();                 // X is complete
 
       // S = e^Gamma S + K^T X (X_hi + X_lo).
@@ -545,10 +567,11 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
       mbar_arrive(&empty[st]);  // w, K, u and the gates of this stage are consumed
 
       // S_{c+1} goes to the other parity, last read by the output WG for chunk c-1.
-      if (c >= 1) mbar_wait(&ofree[par ^ 1], ((c - 1) >> 1) & 1);
+      if (!kStates && c >= 1) mbar_wait(&ofree[par ^ 1], ((c - 1) >> 1) & 1);
       store_state(par ^ 1);  // its barrier also ends every warp's reads of X
     }
 
+    if (kStates && wt == 0) bulk_wait_all();
     store_final_state(p, n, hv, v0, accS, cS);
   } else {
     // ---------------- output warpgroup ----------------

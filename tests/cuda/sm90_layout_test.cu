@@ -1,0 +1,52 @@
+// Host-only check of the sm90 backward's image layouts (runs anywhere nvcc builds; no GPU):
+// a V-tile-32 chain kernel stores its block of a state or -dU image with one bulk copy of its
+// shared-memory operand, which is only right if the block of the global image (Lay<T>::DD_K,
+// ::TokV_K) is byte-identical to that operand (RecLay<T, 32>::VD_MN, ::VTok_MN), and the
+// gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes.
+#include <cstdio>
+#include <cstdlib>
+
+#include "sm90/common.cuh"
+
+namespace {
+using namespace qla::sm90;
+
+template <class Layout, class T>
+int offset(T* base, int i, int j) {
+  return img_off<Layout>(base, i, j);
+}
+
+template <class T>
+int count_mismatches(T* base) {
+  using L = Lay<T>;
+  using RL = RecLay<T, 32>;
+  constexpr int kBlocks = kDV / 32;
+  int bad = 0;
+  for (int vt = 0; vt < kBlocks; ++vt) {
+    for (int v = 0; v < 32; ++v) {
+      const int col = 32 * vt + v;
+      for (int d = 0; d < kDK; ++d) {
+        const int img = offset<typename L::DD_K>(base, d, col);
+        if (img != offset<typename L::DD_MN>(base, col, d)) ++bad;
+        if (img != offset<typename RL::VD_MN>(base, v, d) + vt * (kDK * kDV / kBlocks)) ++bad;
+      }
+      for (int t = 0; t < kC; ++t) {
+        const int img = offset<typename L::TokV_K>(base, t, col);
+        if (img != offset<typename L::VTok_MN>(base, col, t)) ++bad;
+        if (img != offset<typename RL::VTok_MN>(base, v, t) + vt * (kC * kDV / kBlocks)) ++bad;
+      }
+    }
+  }
+  return bad;
+}
+}  // namespace
+
+int main() {
+  // Offsets only: any 1024-byte aligned base gives the swizzle its address bits.
+  void* raw = std::aligned_alloc(1024, 1024);
+  const int bf = count_mismatches(static_cast<cutlass::bfloat16_t*>(raw));
+  const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw));
+  std::free(raw);
+  std::printf("image layout mismatches: bf16 %d, fp16 %d\n", bf, fp);
+  return bf == 0 && fp == 0 ? 0 : 1;
+}
