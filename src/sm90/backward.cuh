@@ -364,6 +364,9 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
   auto thrS = mmaS.get_thread_slice(wt);
   // Fragment sizes per thread: 64 x VT -> 16 floats, 128 x VT -> 32 floats.
   constexpr int kFragU = kC * VT / 128, kFragS = kDK * VT / 128;
+  // Hand-over buffers hold fragment element i of thread wt at hand_idx(i) + 4 wt: groups of four
+  // elements, thread-minor, so a warp's 16-byte accesses are contiguous (no bank conflicts).
+  auto hand_idx = [](int i) { return (i / 4) * (4 * 128) + i % 4; };
 
   if (warp < 4) {
     // ---------------- chain warpgroup ----------------
@@ -425,13 +428,13 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       // dU = gk (K dSn) + PdO; dS = e^Gamma dSn + G (before W^T dU). Hand-over in fragment order.
       mbar_wait(&pready[par], (it >> 1) & 1);
       const float* hb = hbuf(par);
-      const float* hP = hb + wt * kFragU;
-      const float* hG = hb + kC * VT + wt * kFragS;
+      const float* hP = hb + 4 * wt;
+      const float* hG = hb + kC * VT + 4 * wt;
       CUTE_UNROLL
       for (int i = 0; i < size(accU); i += 2) {
         const int r = get<0>(cU(i)), v = get<1>(cU(i));
         const float gk = sG[kC + r];
-        const float2 pd = *reinterpret_cast<const float2*>(hP + i);
+        const float2 pd = *reinterpret_cast<const float2*>(hP + hand_idx(i));
         const float d0 = gk * accU(i) + pd.x, d1 = gk * accU(i + 1) + pd.y;
         uint32_t h, l;
         split_pair<T>(-d0, -d1, h, l);
@@ -442,7 +445,7 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       const float eG = sG[2 * kC];
       CUTE_UNROLL
       for (int i = 0; i < size(accS); i += 4) {
-        const float4 g4 = *reinterpret_cast<const float4*>(hG + i);
+        const float4 g4 = *reinterpret_cast<const float4*>(hG + hand_idx(i));
         accS(i) = eG * accS(i) + g4.x;
         accS(i + 1) = eG * accS(i + 1) + g4.y;
         accS(i + 2) = eG * accS(i + 2) + g4.z;
@@ -541,14 +544,14 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_consta
       // Hand PdO and G over (fragment order: the chain thread with the same index reads them).
       if (it >= 2) mbar_wait(&pfree[par], ((it - 2) >> 1) & 1);
       float* hb = hbuf(par);
-      float* hP = hb + wt * kFragU;
-      float* hG = hb + kC * VT + wt * kFragS;
+      float* hP = hb + 4 * wt;
+      float* hG = hb + kC * VT + 4 * wt;
       CUTE_UNROLL
       for (int i = 0; i < size(accP); i += 4)
-        *reinterpret_cast<float4*>(hP + i) = make_float4(accP(i), accP(i + 1), accP(i + 2), accP(i + 3));
+        *reinterpret_cast<float4*>(hP + hand_idx(i)) = make_float4(accP(i), accP(i + 1), accP(i + 2), accP(i + 3));
       CUTE_UNROLL
       for (int i = 0; i < size(accG); i += 4)
-        *reinterpret_cast<float4*>(hG + i) = make_float4(accG(i), accG(i + 1), accG(i + 2), accG(i + 3));
+        *reinterpret_cast<float4*>(hG + hand_idx(i)) = make_float4(accG(i), accG(i + 1), accG(i + 2), accG(i + 3));
       mbar_arrive(&pready[par]);
       asm volatile("bar.sync 2, 128;" ::: "memory");  // every side warp is done with this iteration's images
     }

@@ -164,7 +164,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
   // V tile 32 (warp-specialized kernels) for the two sequential passes when the forward would
   // pick it: few sequences and heads. V tile 64 (one math warpgroup) otherwise.
-  const bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
+  // EXPERIMENT (not for main as is): V tile 32 everywhere, to compare with the V-tile-64 pair.
+  const bool vt32 = true || N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
 
   {  // 3. states entering every chunk
     RecParams rp{};
