@@ -1,7 +1,7 @@
 // sm90 backward launches 4-6 (1-3 are the forward's chunk table, prep and recurrence with their
 // backward outputs switched on). See docs/backward.md for the algebra (B1)..(B33) and the plan.
 //   4. gdn_bwd_reverse: the state-gradient chain, reverse over chunks per (sequence, value head,
-//      V tile of 64); stores dSn (the gradient of the state leaving each chunk) and dU.
+//      V tile of 32); stores dSn (the gradient of the state leaving each chunk) and -dU.
 //   5. gdn_bwd_grads:   chunk-parallel, one CTA per (chunk, value head): dv, dbeta, dg, and
 //      per-value-head fp32 partials of dq and dk.
 //   6. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
@@ -33,16 +33,25 @@ __device__ __forceinline__ void mma_ss(MMA& mma, int tid, const TA& sA, const TB
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4. Reverse chain. One CTA per (sequence, value head, V tile of 64): warps 0-3 = math
-//    warpgroup with dS (K x 64, fp32) in registers, warp 4 = producer (2-stage ring, as in
-//    gdn_recur). Chunks from the last to the first; per chunk, with dSn the current dS:
+// 4. Reverse chain, one CTA per (sequence, value head, V tile of 32), chunks from the last to the
+//    first; per chunk, with dSn the current dS (the gradient of the state leaving the chunk):
 //      dU = diag(e^(Gamma-gamma)) (K dSn) + P^T dO                                    (B13)
 //      dS = e^Gamma dSn + Q^T diag(scale e^gamma) dO - W^T dU                          (B14)
-//    dSn and -dU are stored as 16-bit images for the gradients kernel; dS after chunk 0 is dh0.
+//    dSn and -dU are stored as 16-bit image blocks for the gradients kernel; dS after chunk 0 is
+//    dh0. Warp-specialized: the products that do not involve dS leave the sequential path, as
+//    the forward's output warpgroup does for O.
+//     warps 0-3 (chain WG): dU = gk (K dSn) + PdO; dS = e^Gamma dSn + G - W^T dU
+//     warps 4-7 (side WG):  per chunk, ahead of the chain: dOg = diag(scale e^gamma) dO (hi/lo),
+//                           PdO = P^T dO (64 x 32) and G = Q^T dOg (128 x 32), fp32, handed to
+//                           the chain through double-buffered shared memory
+//     warp 8 (producer):    the chunk's image, Q, K, the dO tile (32 columns) and gates.
+//   The side WG arrives on `pready[it % 2]` once PdO and G of iteration it are written; the chain
+//   arrives on `pfree[it % 2]` once it has read them. The side WG waits for `pfree` of
+//   iteration it - 2 before writing iteration it.
 // ---------------------------------------------------------------------------------------------
 struct RevParams {
-  CUtensorMap tmq, tmk, tmdo;  // q, k, dO as (d, head, token, batch), box (64, 1, 64, 1)
-  CUtensorMap tmdo32;          // dO with a (32, 1, 64, 1) box, 64-byte swizzle (V tile 32)
+  CUtensorMap tmq, tmk;  // q, k as (d, head, token, batch), box (64, 1, 64, 1)
+  CUtensorMap tmdo32;    // dO with a (32, 1, 64, 1) box, 64-byte swizzle
   SeqDesc sd;
   const int* chunk_off;
   const void* regions;
@@ -56,219 +65,9 @@ struct RevParams {
   int N, H, HV;
 };
 
-constexpr int kRevVT = 64;
+constexpr int kRevVT = 32;
 struct RevCfg {
-  // Stage: 16-bit image (w_hi | A hi | A lo) | Q | K | dO tile (64 tok x 64 v) | gates (1 KiB).
-  static constexpr uint32_t kOBytes = kC * kRevVT * 2;
-  static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStO = kStK + kQKBytes, kStG = kStO + kOBytes;
-  static constexpr uint32_t kStageBytes = kStG + 1024;
-  static constexpr uint32_t kBarOff = kStG + 768;
-  static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kOBytes + kGateBytes;
-  // Then dS hi/lo (v, d), -dU hi/lo (v, tok), diag(scale e^gamma) dO hi/lo (v, tok).
-  static constexpr uint32_t kOffS = kStages * kStageBytes;
-  static constexpr uint32_t kOffU = kOffS + 2 * kDK * kRevVT * 2;
-  static constexpr uint32_t kOffG = kOffU + 2 * kC * kRevVT * 2;
-  static constexpr size_t kSmem = 1024 + kOffG + 2 * kC * kRevVT * 2;
-  static_assert(kSmem <= 232448, "reverse kernel smem over the 227 KiB limit");
-};
-
-template <class T>
-__global__ void __launch_bounds__(160, 1) gdn_bwd_reverse(const __grid_constant__ RevParams p) {
-  constexpr int VT = kRevVT;
-  using L = Lay<T>;
-    using RL = RecLay<T, VT>;
-  using Cfg = RevCfg;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* sm = static_cast<uint8_t*>(
-      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
-  T* sSh = reinterpret_cast<T*>(sm + Cfg::kOffS);  // dS hi/lo (v, d)
-  T* sSl = sSh + kDK * VT;
-  T* sUh = reinterpret_cast<T*>(sm + Cfg::kOffU);  // -dU hi/lo (v, tok)
-  T* sUl = sUh + kC * VT;
-  T* sGh = reinterpret_cast<T*>(sm + Cfg::kOffG);  // scaled dO hi/lo (v, tok)
-  T* sGl = sGh + kC * VT;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
-  uint64_t* empty = full + kStages;
-
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
-  if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: launch 6 writes NaN
-  int64_t b, t0, slen;
-  seq_bounds(p.sd, n, b, t0, slen);
-  const int nch = static_cast<int>((slen + kC - 1) / kC), ci0 = p.chunk_off[n];
-  const int v0 = vt * VT;
-
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 128);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == 4) {  // producer: chunks in reverse order
-    if ((tid & 31) == 0) {
-      const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
-      const int hq = hv / (p.HV / p.H);
-      for (int it = 0; it < nch; ++it) {
-        const int c = nch - 1 - it, st = it % kStages;
-        const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kRegionBytes;
-        uint8_t* dst = sm + st * Cfg::kStageBytes;
-        const int tok = static_cast<int>(t0) + c * kC;
-        mbar_wait(&empty[st], ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(&full[st], Cfg::kStageTx);
-        bulk_g2s(dst, src, kImgBytes, &full[st]);
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
-          tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
-        }
-        // Rows past the sequence end belong to the next sequence: the A rows and scale e^gamma
-        // there are zero (prep), so they reach neither dU nor dS.
-        tma_load_4d(dst + Cfg::kStO, &p.tmdo, v0, hv, tok, static_cast<int>(b), &full[st]);
-        bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
-      }
-    }
-    return;
-  }
-
-  // ---- math warpgroup ----
-  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
-  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
-  auto thrU = mmaU.get_thread_slice(tid);
-  auto thrS = mmaS.get_thread_slice(tid);
-  Tensor tS = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});   // (v, d), offsets
-  Tensor tU = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok), offsets
-  Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});     // dS (d, v)
-  Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});      // K dSn
-  Tensor accP = partition_fragment_C(mmaS, Shape<_64, Int<VT>>{});      // P^T dO
-  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
-  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
-  Tensor rSh = thrU.partition_fragment_B(tS);
-  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
-  Tensor rUh = thrS.partition_fragment_B(tU);
-  Tensor rUl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
-  Tensor rGh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGh), typename RL::VTok_MN{}));
-  Tensor rGl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sGl), typename RL::VTok_MN{}));
-
-  auto store_ds = [&]() {  // dS -> hi/lo images for the next chunk's K dSn
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); i += 2) {
-      uint32_t h, l;
-      split_pair<T>(accS(i), accS(i + 1), h, l);
-      const int off = static_cast<int>(&tS(get<1>(cS(i)), get<0>(cS(i))) - sSh);
-      *reinterpret_cast<uint32_t*>(sSh + off) = h;
-      *reinterpret_cast<uint32_t*>(sSl + off) = l;
-    }
-    fence_async_smem();
-    math_bar();
-  };
-
-  load_state_tile(p.dht, p.sdht, p.vk, n, hv, v0, accS, cS);
-  store_ds();
-
-  for (int it = 0; it < nch; ++it) {
-    const int c = nch - 1 - it, st = it % kStages, ci = ci0 + c;
-    uint8_t* stb = sm + st * Cfg::kStageBytes;
-    T* base = reinterpret_cast<T*>(stb);
-    T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
-    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    store_state_image<T>(p.dsn, p.HV, ci, hv, v0, accS, cS, sm);            // dSn of chunk c
-    mbar_wait(&full[st], (it / kStages) & 1);
-
-    // diag(scale e^gamma) dO as hi/lo (v, tok) images: pairs of adjacent v.
-    {
-      Tensor tO = make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{});
-      CUTE_UNROLL
-      for (int k = 0; k < (kC * VT / 2) / 128; ++k) {
-        const int q = tid + 128 * k, r = q / (VT / 2), v = (q % (VT / 2)) * 2;
-        const int off = static_cast<int>(&tO(v, r) - sO);
-        const float2 o2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(sO + off));
-        const float gq = sG[r];
-        uint32_t h, l;
-        split_pair<T>(gq * o2.x, gq * o2.y, h, l);
-        *reinterpret_cast<uint32_t*>(sGh + off) = h;
-        *reinterpret_cast<uint32_t*>(sGl + off) = l;
-      }
-    }
-    fence_async_smem();
-    math_bar();
-
-    Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
-    Tensor rQt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStQ)), typename L::DTok_MN{}));
-    Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::DTok_MN{}));
-    Tensor rPh = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_MN{}));
-    Tensor rPl = thrS.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_MN{}));
-    Tensor rO = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sO), typename RL::VTok_MN{}));
-
-    // Batch 1: accU = K dSn (hi + lo), accP = P^T dO (P hi + lo), accS = e^Gamma dSn + Q^T dOg.
-    const float eG = sG[2 * kC];
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
-    warpgroup_fence_operand(accU);
-    warpgroup_fence_operand(accP);
-    warpgroup_fence_operand(accS);
-    warpgroup_arrive();
-    gemm_k(mmaU, rK, rSh, accU, GMMA::ScaleOut::Zero);
-    gemm_k(mmaU, rK, rSl, accU, GMMA::ScaleOut::One);
-    gemm_k(mmaS, rPh, rO, accP, GMMA::ScaleOut::Zero);
-    gemm_k(mmaS, rPl, rO, accP, GMMA::ScaleOut::One);
-    gemm_k(mmaS, rQt, rGh, accS, GMMA::ScaleOut::One);
-    gemm_k(mmaS, rQt, rGl, accS, GMMA::ScaleOut::One);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accU);
-    warpgroup_fence_operand(accP);
-    warpgroup_fence_operand(accS);
-
-    // dU = gk (K dSn) + P^T dO: -dU as hi/lo images here and as a 16-bit image (tok, v) for kernel 5.
-    T* dug = static_cast<T*>(p.du) + (static_cast<size_t>(ci) * p.HV + hv) * (kC * kDV);
-    T* swz = reinterpret_cast<T*>(sm);
-    CUTE_UNROLL
-    for (int i = 0; i < size(accU); i += 2) {
-      const int r = get<0>(cU(i)), v = get<1>(cU(i));
-      const float gk = sG[kC + r];
-      const float d0 = gk * accU(i) + accP(i), d1 = gk * accU(i + 1) + accP(i + 1);
-      uint32_t h, l;
-      split_pair<T>(-d0, -d1, h, l);
-      *reinterpret_cast<uint32_t*>(dug + img_off<typename L::TokV_K>(swz, r, v0 + v)) = h;
-      const int off = static_cast<int>(&tU(v, r) - sUh);
-      *reinterpret_cast<uint32_t*>(sUh + off) = h;
-      *reinterpret_cast<uint32_t*>(sUl + off) = l;
-    }
-    fence_async_smem();
-    math_bar();
-
-    // Batch 2: accS += W^T (-dU) (hi + lo).
-    warpgroup_fence_operand(accS);
-    warpgroup_arrive();
-    gemm_k(mmaS, rWt, rUh, accS, GMMA::ScaleOut::One);
-    gemm_k(mmaS, rWt, rUl, accS, GMMA::ScaleOut::One);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accS);
-    mbar_arrive(&empty[st]);
-    store_ds();
-  }
-  store_state_tile(p.dh0, p.sdh0, p.vk, n, hv, v0, accS, cS);
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4b. Warp-specialized reverse chain (V tile 32): the products that do not involve dS leave the
-//     sequential path, as the forward's output warpgroup does for O.
-//     warps 0-3 (chain WG): dU = gk (K dSn) + PdO; dS = e^Gamma dSn + G - W^T dU
-//     warps 4-7 (side WG):  per chunk, ahead of the chain: dOg = diag(scale e^gamma) dO (hi/lo),
-//                           PdO = P^T dO (64 x 32) and G = Q^T dOg (128 x 32), fp32, handed to
-//                           the chain through double-buffered shared memory in fragment order
-//     warp 8 (producer):    the chunk's image, Q, K, the dO tile (32 columns) and gates.
-//   The side WG arrives on `pready[it % 2]` once PdO and G of iteration it are written; the chain
-//   arrives on `pfree[it % 2]` once it has read them. The side WG waits for `pfree` of
-//   iteration it - 2 before writing iteration it.
-// ---------------------------------------------------------------------------------------------
-constexpr int kRevWsVT = 32;
-struct RevWsCfg {
-  static constexpr int VT = kRevWsVT;
+  static constexpr int VT = kRevVT;
   static constexpr uint32_t kOBytes = kC * VT * 2;  // dO tile (tok x 32 v), 64-byte swizzle
   static constexpr uint32_t kStQ = kImgBytes, kStK = kStQ + kQKBytes, kStO = kStK + kQKBytes, kStG = kStO + kOBytes;
   static constexpr uint32_t kStageBytes = kStG + 1024;
@@ -291,8 +90,8 @@ struct RevWsCfg {
 };
 
 template <class T>
-__global__ void __launch_bounds__(288, 1) gdn_bwd_reverse_ws(const __grid_constant__ RevParams p) {
-  using Cfg = RevWsCfg;
+__global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant__ RevParams p) {
+  using Cfg = RevCfg;
   constexpr int VT = Cfg::VT;
   using L = Lay<T>;
   using RL = RecLay<T, VT>;

@@ -2,9 +2,8 @@
 // p.stream, no host synchronisation (graph-capturable); docs/backward.md has the algebra.
 //   1. gdn_chunk_table:  chunk offsets and the cu_seqlens check (as in the forward).
 //   2. gdn_prep<T>:      the forward's prep, also storing Tm = (I+L)^-1 (hi/lo images).
-//   3. gdn_recur(_ws):   the forward's recurrence in its kStates role, also storing the state
-//                        entering every chunk (16-bit image); the V-tile-32 kernel skips the
-//                        output, the V-tile-64 one writes it to dv, overwritten by launch 5.
+//   3. gdn_recur_ws:     the forward's V-tile-32 recurrence in its kStates role, storing the state
+//                        entering every chunk (16-bit image blocks); no output.
 //   4. gdn_bwd_reverse:  the state-gradient chain in reverse, storing dSn and dU per chunk; dh0.
 //   5. gdn_bwd_grads:    chunk-parallel dv, dbeta, dg and per-value-head dq, dk partials.
 //   6. gdn_bwd_finish:   dq, dk summed over each value-head group (NaN outputs on bad cu_seqlens).
@@ -108,14 +107,10 @@ Status bwd_launch(const GdnBackwardParams& p) {
   if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
                  "cudaFuncSetAttribute(gdn_prep)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_recur_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
                  "cudaFuncSetAttribute(gdn_bwd_reverse)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevWsCfg::kSmem),
-                 "cudaFuncSetAttribute(gdn_bwd_reverse_ws)");
     QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
                  "cudaFuncSetAttribute(gdn_bwd_grads)");
     __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
@@ -162,11 +157,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");
   }
 
-  // V tile 32 (warp-specialized kernels) for the two sequential passes when the forward would
-  // pick it: few sequences and heads. V tile 64 (one math warpgroup) otherwise.
-  // EXPERIMENT (not for main as is): V tile 32 everywhere, to compare with the V-tile-64 pair.
-  const bool vt32 = true || N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
-
+  // The two sequential passes run the warp-specialized V-tile-32 kernels on every shape: measured
+  // faster than the V-tile-64 pair even at 16/32 8192x4 (512 CTAs; docs/design.md, bwd-5).
   {  // 3. states entering every chunk
     RecParams rp{};
     rp.tmq = tmq;
@@ -182,13 +174,10 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rp.HV = HV;
     rp.prec = kPrecDefault;
     rp.states = ws + wl.states;
-    // The output is not needed: the V-tile-64 kernel writes it to dv, which launch 5 overwrites.
+    // No output; o = dv only takes the NaN fill on malformed cu_seqlens (launch 6 fills them all).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
-    if (vt32)
-      gdn_recur_ws<T, true><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
-    else
-      gdn_recur<T, 64, true><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    gdn_recur_ws<T, true><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
   }
 
@@ -196,7 +185,6 @@ Status bwd_launch(const GdnBackwardParams& p) {
     RevParams rv{};
     rv.tmq = tmq;
     rv.tmk = tmk;
-    rv.tmdo = tmdo;
     rv.tmdo32 = tmdo32;
     rv.sd = sd;
     rv.chunk_off = table;
@@ -210,10 +198,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.N = N;
     rv.H = H;
     rv.HV = HV;
-    if (vt32)
-      gdn_bwd_reverse_ws<T><<<dim3(N * (kDV / kRevWsVT), HV), 288, RevWsCfg::kSmem, stream>>>(rv);
-    else
-      gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 160, RevCfg::kSmem, stream>>>(rv);
+    gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 288, RevCfg::kSmem, stream>>>(rv);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_reverse");
   }
 

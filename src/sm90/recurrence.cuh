@@ -43,7 +43,7 @@ struct RecParams {
   int64_t so[3];
   int N, H, HV;
   int prec;      // kPrec* bits
-  void* states;  // backward (kStates kernels): the state entering every chunk, 16-bit DD_K image per region
+  void* states;  // backward (kStates): the state entering every chunk, 16-bit DD_K image per region
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
 };
 
@@ -118,21 +118,6 @@ __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int
                                                   const Coord& cS) {
   store_state_tile(p.hT, p.shT, p.vk, n, hv, v0, accS, cS);
 }
-// Backward: the state entering chunk ci of value head hv as a 16-bit image (Lay<T>::DD_K, 32 KiB
-// per region), the CTA's columns; pairs of adjacent v are one 4-byte store. (V-tile-32 kernels
-// store their block with one bulk copy instead: image_block.)
-// swz: the kernel's 1024-byte aligned shared-memory base (offsets only, see img_off).
-template <class T, class Acc, class Coord>
-__device__ __forceinline__ void store_state_image(void* images, int HV, int ci, int hv, int v0, const Acc& acc,
-                                                  const Coord& cS, uint8_t* swz) {
-  T* dst = static_cast<T*>(images) + (static_cast<size_t>(ci) * HV + hv) * (kDK * kDV);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int off = img_off<typename Lay<T>::DD_K>(reinterpret_cast<T*>(swz), get<0>(cS(i)), v0 + get<1>(cS(i)));
-    *reinterpret_cast<uint32_t*>(dst + off) = pack2<T>(acc(i), acc(i + 1));
-  }
-}
-
 // Backward: the V-tile-32 block vt of region (ci, hv) in an image of `elems` 16-bit elements per
 // region (Lay<T>::DD_K or ::TokV_K); its bytes equal the CTA's RecLay<T, 32> hi operand.
 template <class T>
@@ -199,9 +184,7 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
   }
 }
 
-// kStates: the backward's state pass (stores every chunk's entering state to p.states). A
-// compile-time role: the forward's instantiation carries none of its code or registers.
-template <class T, int VT, bool kStates = false>
+template <class T, int VT>
 __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecParams p) {
   using L = Lay<T>;
   using RL = RecLay<T, VT>;
@@ -296,7 +279,6 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     T* base = reinterpret_cast<T*>(stb);
     const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    if constexpr (kStates) store_state_image<T>(p.states, p.HV, ci0 + c, hv, v0, accS, cS, sm);
     mbar_wait(&full[st], (c / kStages) & 1);
     T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
     T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
@@ -417,7 +399,9 @@ struct RecWsCfg {
   static_assert(kSmem <= 232448, "warp-specialized recurrence smem over the 227 KiB limit");
 };
 
-template <class T, bool kStates = false>  // kStates: as in gdn_recur
+// kStates: the backward's state pass (stores every chunk's entering state to p.states). A
+// compile-time role: the forward's instantiation carries none of its code or registers.
+template <class T, bool kStates = false>
 __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ RecParams p) {
   constexpr int VT = kWsVT;
   using L = Lay<T>;
