@@ -29,8 +29,81 @@ def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
         raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
 
 
+_TENSOR = torch.Tensor
+_QKV_DTYPE_SET = frozenset(_QKV_DTYPES)
+_GATE_DTYPE_SET = frozenset(_GATE_DTYPES)
+_INDEX_DTYPE_SET = frozenset(_INDEX_DTYPES)
+
+
+def _same_place(t, cpu: bool, index: int) -> bool:
+    # CPU, or the CUDA device `index`; any other device type (meta, ...) takes the full checks.
+    return t.is_cpu if cpu else (t.is_cuda and t.get_device() == index)
+
+
+def _quick_check(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu):
+    """The common, valid call in a few attribute reads (host time is part of the op's cost):
+    returns N, or None when anything is unusual or wrong. It accepts only what
+    _check_inputs_full accepts (tests/python/test_errors.py checks both on the same inputs);
+    None sends the call to the full checks, which name the bad argument."""
+    T_ = _TENSOR
+    if type(q) is not T_ or type(k) is not T_ or type(v) is not T_ or type(g) is not T_ or type(beta) is not T_:
+        return None
+    dt = q.dtype
+    if dt not in _QKV_DTYPE_SET or k.dtype is not dt or v.dtype is not dt:
+        return None
+    if g.dtype not in _GATE_DTYPE_SET or beta.dtype not in _GATE_DTYPE_SET:
+        return None
+    qs, vs = q.shape, v.shape
+    if len(qs) != 4 or len(vs) != 4 or k.shape != qs:
+        return None
+    B, T, H, _ = qs
+    HV = vs[2]
+    if vs[0] != B or vs[1] != T or H == 0 or HV == 0 or HV % H or g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        return None
+    if q.numel() == 0 or v.numel() == 0:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or g.stride(-1) != 1 or beta.stride(-1) != 1:
+        return None
+    cpu = q.is_cpu
+    index = -1 if cpu else q.get_device()
+    if not cpu and not q.is_cuda:
+        return None
+    if not (_same_place(k, cpu, index) and _same_place(v, cpu, index) and _same_place(g, cpu, index)
+            and _same_place(beta, cpu, index)):
+        return None
+    if cu_seqlens is None:
+        N = B
+    else:
+        # Host values (a CPU cu_seqlens or cu_seqlens_cpu) are checked by the full path.
+        if cu_seqlens_cpu is not None or cpu or type(cu_seqlens) is not T_ or B != 1:
+            return None
+        cs = cu_seqlens.shape
+        if (len(cs) != 1 or cs[0] < 1 or cu_seqlens.dtype not in _INDEX_DTYPE_SET or cu_seqlens.stride(0) != 1
+                or not _same_place(cu_seqlens, cpu, index)):
+            return None
+        N = cs[0] - 1
+    if initial_state is not None:
+        h = initial_state
+        if type(h) is not T_ or h.numel() == 0 or h.stride(-1) != 1 or not _same_place(h, cpu, index):
+            return None
+        if not (h.dtype is torch.float32 or (h.dtype is torch.float64 and dt is torch.float64)):
+            return None
+        K, V = qs[3], vs[3]
+        if h.shape != ((N, HV, V, K) if state_v_first else (N, HV, K, V)):
+            return None
+    return N
+
+
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu=None) -> int:
     """Validates the kernel-level inputs; returns N (the number of sequences)."""
+    N = _quick_check(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    if N is not None:
+        return N
+    return _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
+
+
+def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu=None) -> int:
+    """Every check, each error naming the argument, what was expected and what came."""
     _check_tensor("q", q, 4, _QKV_DTYPES)
     _check_tensor("k", k, 4, _QKV_DTYPES)
     _check_tensor("v", v, 4, _QKV_DTYPES)

@@ -18,7 +18,7 @@ def _call(**over):
     return qla.chunk_gated_delta_rule(**kw)
 
 
-@pytest.mark.parametrize("over,exc,msg", [
+BAD_TENSOR_CASES = [
     (dict(q=torch.randn(10, 2, 8)), ValueError, r"q: expected a 4-D tensor, got 3-D"),
     (dict(g=torch.randn(1, 10, 4, 1)), ValueError, r"g: expected a 3-D tensor"),
     (dict(k=torch.randn(1, 11, 2, 8)), ValueError, r"k: expected shape \[1, 10, 2, 8\]"),
@@ -33,10 +33,54 @@ def _call(**over):
     (dict(initial_state=torch.randn(1, 4, 8, 8).half()), TypeError, r"initial_state: expected dtype float32"),
     (dict(initial_state=[1.0]), TypeError, r"initial_state: expected a torch.Tensor"),
     (dict(q="nope"), TypeError, r"q: expected a torch.Tensor, got str"),
-])
+    (dict(v=torch.randn(1, 10, 4, 8, device="meta")), ValueError, r"v: expected a tensor on cpu"),
+    (dict(beta=torch.rand(1, 10, 4).half()), None, None),  # valid (16-bit gates): the quick check must agree
+]
+
+
+@pytest.mark.parametrize("over,exc,msg", [c for c in BAD_TENSOR_CASES if c[1] is not None])
 def test_bad_tensor_arguments(over, exc, msg):
     with pytest.raises(exc, match=msg):
         _call(**over)
+
+
+def _check_args(kw, cu=None, state_v_first=False):
+    return (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], cu, state_v_first)
+
+
+@pytest.mark.parametrize("over,exc,msg", BAD_TENSOR_CASES)
+def test_quick_check_accepts_only_what_the_full_checks_accept(over, exc, msg):
+    # The eager path's quick check (host time) must never let a bad call through: on every
+    # bad input it defers (None) to the full checks, on a valid one it returns their N.
+    args = _check_args(_args(**over))
+    quick = qla.api._quick_check(*args, None)
+    if exc is None:
+        assert quick is not None and quick == qla.api._check_inputs_full(*args)
+    else:
+        assert quick is None
+
+
+@pytest.mark.parametrize("variant", ["plain", "gva_strided", "state_v_first", "no_state", "fp64", "cpu_cu"])
+def test_quick_check_agrees_on_valid_inputs(variant):
+    x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32)
+    kw = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], initial_state=x["initial_state"])
+    cu, svf = None, False
+    if variant == "gva_strided":  # q, k views with a head stride of 16 (a packed qkv projection)
+        qk = torch.randn(1, 10, 2, 2, 8)
+        kw["q"], kw["k"] = qk[:, :, :, 0], qk[:, :, :, 1]
+    elif variant == "state_v_first":
+        svf = True
+    elif variant == "no_state":
+        kw["initial_state"] = None
+    elif variant == "fp64":
+        kw = {n: (t.double() if t is not None else None) for n, t in kw.items()}
+    elif variant == "cpu_cu":  # host cu_seqlens values need the full checks: quick defers
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+        kw["initial_state"] = torch.randn(2, 4, 8, 8)
+    args = _check_args(kw, cu, svf)
+    quick = qla.api._quick_check(*args, None)
+    full = qla.api._check_inputs_full(*args)
+    assert quick == (None if variant == "cpu_cu" else full)
 
 
 @pytest.mark.parametrize("cu,msg", [
