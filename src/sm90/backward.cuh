@@ -76,7 +76,7 @@ struct RevCfg {
   static constexpr uint32_t kSBytes = 2 * kDK * VT * 2;        // dS hi/lo (v, d)
   static constexpr uint32_t kUBytes = 2 * kC * VT * 2;         // -dU hi/lo (v, tok)
   static constexpr uint32_t kGBytes = 2 * kC * VT * 2;         // dOg hi/lo (v, tok)
-  static constexpr uint32_t kHBytes = (kC * VT + kDK * VT) * 4;  // PdO | G fp32 (fragment order)
+  static constexpr uint32_t kHBytes = (kC * VT + kDK * VT) * 4;  // PdO | G fp32 (fragment order, thread-minor: hand_idx)
   static constexpr uint32_t kOffS = kStages * kStageBytes;
   static constexpr uint32_t kOffU = kOffS + kSBytes;
   static constexpr uint32_t kOffG = kOffU + kUBytes;
