@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
-#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [grid] [grid-par] [grid-bwd] [grid-bwd-par]
+#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par] [grid-bwd] [grid-bwd-par]
 #   (default: tests memcheck bench grid)
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
-# (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call.
+# (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
+# only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
+#   GRID_ARGS="--heads 16/32 --layouts 1x8192 --backends qla,flashqla" bash scripts/device_check.sh grid-bwd
+# Only a limited number of files under $OUT come back from a call: keep their count small.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/qla_out}
@@ -71,6 +74,13 @@ if want bench; then
   timeout 120 python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
   python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -8
   python3 bench/peak_memory.py 2>&1 | tee "$OUT/peak_memory.log" | tail -4
+fi
+
+if want profile; then
+  echo "== backward: device time per kernel (torch.profiler)"
+  for h in ${PROFILE_HEADS:-16/32 8/16 4/8 2/4}; do
+    python3 bench/profile_backward.py --heads "$h" --layouts ${PROFILE_LAYOUTS:-1x32768,1x8192,8192x4} 2>&1 | grep -v -i warn
+  done | tee "$OUT/profile_bwd.log"
 fi
 
 if want grid; then
