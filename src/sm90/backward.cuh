@@ -212,14 +212,8 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
       // K dSn (hi + lo).
       warpgroup_fence_operand(accU);
       warpgroup_arrive();
-      mmaU.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rK); ++k) {
-        cute::gemm(mmaU, rK(_, _, k), rSh(_, _, k), accU);
-        mmaU.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rK); ++k) cute::gemm(mmaU, rK(_, _, k), rSl(_, _, k), accU);
+      gemm_k(mmaU, rK, rSh, accU, GMMA::ScaleOut::Zero);
+      gemm_k(mmaU, rK, rSl, accU, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accU);
@@ -262,11 +256,8 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
       // dS += W^T (-dU) (hi + lo).
       warpgroup_fence_operand(accS);
       warpgroup_arrive();
-      mmaS.accumulate_ = GMMA::ScaleOut::One;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUh(_, _, k), accS);
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rWt); ++k) cute::gemm(mmaS, rWt(_, _, k), rUl(_, _, k), accS);
+      gemm_k(mmaS, rWt, rUh, accS, GMMA::ScaleOut::One);
+      gemm_k(mmaS, rWt, rUl, accS, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
@@ -318,22 +309,10 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
       warpgroup_fence_operand(accP);
       warpgroup_fence_operand(accG);
       warpgroup_arrive();
-      mmaS.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rPh); ++k) {
-        cute::gemm(mmaS, rPh(_, _, k), rO(_, _, k), accP);
-        mmaS.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rPl); ++k) cute::gemm(mmaS, rPl(_, _, k), rO(_, _, k), accP);
-      mmaS.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rQt); ++k) {
-        cute::gemm(mmaS, rQt(_, _, k), rGh(_, _, k), accG);
-        mmaS.accumulate_ = GMMA::ScaleOut::One;
-      }
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(rQt); ++k) cute::gemm(mmaS, rQt(_, _, k), rGl(_, _, k), accG);
+      gemm_k(mmaS, rPh, rO, accP, GMMA::ScaleOut::Zero);
+      gemm_k(mmaS, rPl, rO, accP, GMMA::ScaleOut::One);
+      gemm_k(mmaS, rQt, rGh, accG, GMMA::ScaleOut::Zero);
+      gemm_k(mmaS, rQt, rGl, accG, GMMA::ScaleOut::One);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accP);
