@@ -514,19 +514,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   }
   // gamma (cumsum of g over the valid rows; padding g = 0, beta = 0) while the loads fly.
   if (tid < kC) {
-    float gv = 0.f, bv = 0.f;
-    if (tid < len) {
-      const int64_t t = t0 + tid;
-      gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
-      bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
-    }
-    CUTE_UNROLL
-    for (int o = 1; o < 32; o <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, gv, o);
-      if (lane >= o) gv += y;
-    }
-    sGam[tid] = gv;
-    sBeta[tid] = bv;
+    load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
     sColR[tid] = 0.f;
   }
   __syncthreads();

@@ -157,21 +157,7 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   }
 
   // gamma = inclusive cumsum of g over the valid tokens (padding: g = 0, beta = 0).
-  if (tid < kC) {
-    float gv = 0.f, bv = 0.f;
-    if (tid < len) {
-      const int64_t t = t0 + tid;
-      gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
-      bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, gv, o);
-      if (lane >= o) gv += y;
-    }
-    sGam[tid] = gv;
-    sBeta[tid] = bv;
-  }
+  if (tid < kC) load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
   wg_bar(barid);
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
   wg_bar(barid);
