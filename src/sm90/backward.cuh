@@ -111,8 +111,9 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
   uint64_t* pfree = pready + 2;
 
   const int tid = threadIdx.x, warp = tid >> 5, wt = tid & 127;
-  const int vt = blockIdx.x % (kDV / VT), n = blockIdx.x / (kDV / VT), hv = blockIdx.y;
   if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: launch 6 writes NaN
+  const SeqCta cta = seq_cta(p.chunk_off, p.N, p.HV, kDV / VT);
+  const int vt = cta.vt, n = cta.n, hv = cta.hv;
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const int nch = static_cast<int>((slen + kC - 1) / kC), ci0 = p.chunk_off[n];

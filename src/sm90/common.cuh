@@ -239,6 +239,29 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
   }
 }
 
+// The chunk table that gdn_chunk_table writes into the workspace (ints): [0, N] chunk offsets
+// (prefix sums of ceil(len / 64)), [N + 1] the malformed-cu_seqlens flag, [N + 2, 2N + 2) the
+// sequences longest first (the launch order of the sequential passes).
+__host__ __device__ constexpr int64_t chunk_table_ints(int64_t N) { return 2 * N + 2; }
+
+// A CTA of a sequential pass (forward recurrence, backward states pass and reverse chain). The
+// grid is flat, N * HV * nvt CTAs: V tile fastest (a (sequence, head)'s V-tile CTAs start
+// together and read each chunk's data from L2 at about the same time), then value head, then
+// the sequence's rank in the longest-first order. When the grid takes more than one wave, a
+// short sequence launched ahead of a long one would delay the long chain by its whole length
+// (8/32 at 6144+2048: 192 chunk steps instead of 128); longest first bounds that.
+struct SeqCta {
+  int vt, hv, n;
+};
+__device__ __forceinline__ SeqCta seq_cta(const int* table, int N, int HV, int nvt) {
+  SeqCta c;
+  const int64_t lin = blockIdx.x;
+  c.vt = static_cast<int>(lin % nvt);
+  c.hv = static_cast<int>((lin / nvt) % HV);
+  c.n = table[N + 2 + lin / (static_cast<int64_t>(nvt) * HV)];
+  return c;
+}
+
 
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {

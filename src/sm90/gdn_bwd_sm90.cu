@@ -44,7 +44,7 @@ BwdWs bwd_ws_layout(const GdnBackwardParams& p) {
   const size_t ntok = static_cast<size_t>(p.shape.batch) * static_cast<size_t>(p.shape.seqlen);
   const size_t part = up(ntok * static_cast<size_t>(p.shape.num_v_heads) * kDK * 4);
   BwdWs w;
-  w.regions = up(4 * (N + 2));
+  w.regions = up(4 * chunk_table_ints(N));
   w.tm = w.regions + nreg * kRegionBytes;
   w.states = w.tm + nreg * kTmBytes;
   w.dsn = w.states + nreg * kStateBytes;
@@ -80,7 +80,8 @@ Status bwd_check_supported(const GdnBackwardParams& p) {
       return ns("dq, dk need 8-byte aligned data and strides that are multiples of 4 elements");
   if (!aligned(p.dv.data, 4) || p.dv.stride[0] % 2 || p.dv.stride[1] % 2 || p.dv.stride[2] % 2)
     return ns("dv needs 4-byte aligned data and even strides");
-  if (num_seqs(p) > 2147483647LL / 4 || max_chunks(p) * p.shape.num_v_heads > 2147483647LL || p.shape.num_v_heads > 65535)
+  // Flat grids of N * HV * 4 CTAs (sequential passes) and of chunks * HV regions.
+  if (num_seqs(p) * p.shape.num_v_heads > 2147483647LL / 4 || max_chunks(p) * p.shape.num_v_heads > 2147483647LL)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
@@ -177,7 +178,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     // No output; o = dv only takes the NaN fill on malformed cu_seqlens (launch 6 fills them all).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
-    gdn_recur_ws<T, true><<<dim3(N * (kDV / kWsVT), HV), 288, RecWsCfg::kSmem, stream>>>(rp);
+    gdn_recur_ws<T, true><<<static_cast<unsigned>(N * HV * (kDV / kWsVT)), 288, RecWsCfg::kSmem, stream>>>(rp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
   }
 
@@ -198,7 +199,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.N = N;
     rv.H = H;
     rv.HV = HV;
-    gdn_bwd_reverse<T><<<dim3(N * (kDV / kRevVT), HV), 288, RevCfg::kSmem, stream>>>(rv);
+    gdn_bwd_reverse<T><<<static_cast<unsigned>(N * HV * (kDV / kRevVT)), 288, RevCfg::kSmem, stream>>>(rv);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_reverse");
   }
 

@@ -62,7 +62,7 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   const size_t HV = static_cast<size_t>(p.shape.num_v_heads);
   WsLayout w;
   w.table = 0;
-  w.ready = up(4 * (N + 2));             // after off[0..N] and the cu_seqlens check; one int per (chunk, value head)
+  w.ready = up(4 * chunk_table_ints(N));  // after the chunk table; one int per (chunk, value head)
   w.regions = w.ready + up(4 * mc * HV);
   w.total = w.regions + mc * HV * kRegionBytes;
   return w;
@@ -182,7 +182,7 @@ Status launch(const GdnForwardParams& p) {
 #endif
   if (vt32) {
     cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(N * (kDV / kWsVT), HV);
+    cfg.gridDim = dim3(static_cast<unsigned>(rec_ctas));  // flat, longest sequence first (seq_cta)
     cfg.blockDim = dim3(288);
     cfg.dynamicSmemBytes = RecWsCfg::kSmem;
     cfg.stream = stream;
@@ -193,7 +193,7 @@ Status launch(const GdnForwardParams& p) {
     cfg.numAttrs = overlap ? 1 : 0;
     QLA_CUDA_TRY(cudaLaunchKernelEx(&cfg, gdn_recur_ws<T>, rp), "launch gdn_recur_ws");
   } else {
-    gdn_recur<T, 64><<<dim3(N * (kDV / 64), HV), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    gdn_recur<T, 64><<<static_cast<unsigned>(rec_ctas), 160, RecCfg<64>::kSmem, stream>>>(rp);
   }
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
   return Status::Ok();
@@ -235,7 +235,9 @@ Status check_supported(const GdnForwardParams& p) {
   }
   if (!aligned(p.o.data, 4) || p.o.stride[0] % 2 || p.o.stride[1] % 2 || p.o.stride[2] % 2)
     return ns("o needs 4-byte aligned data and even strides");
-  if (num_seqs(p) > 2147483647LL / 4 || max_chunks(p) > 2147483647LL / 2 || p.shape.num_v_heads > 65535)
+  // Flat grids of N * HV * 4 CTAs (sequential passes) and int chunk indices.
+  if (num_seqs(p) * p.shape.num_v_heads > 2147483647LL / 4 || max_chunks(p) > 2147483647LL / 2 ||
+      max_chunks(p) * p.shape.num_v_heads > 2147483647LL)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);

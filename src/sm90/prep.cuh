@@ -12,17 +12,90 @@ namespace {
 using namespace cute;
 
 // ---------------------------------------------------------------------------------------------
-// 1. Chunk table: off[n] = sum_{m<n} ceil(len_m / 64), off[N] = total chunks. One block.
-//    Also clears the ready flags of the overlapped mode.
+// 1. Chunk table: off[n] = sum_{m<n} ceil(len_m / 64), off[N] = total chunks, and the sequences
+//    longest first (layout: chunk_table_ints in common.cuh). One block. Also clears the ready
+//    flags of the overlapped mode.
 // ---------------------------------------------------------------------------------------------
+// Sort key of the longest-first order: the chunk count at quarter-octave resolution (bucket
+// 1 + 4 e + m for cnt = 2^e * 1.m..., 0 for an empty sequence), which is all the launch order
+// needs and lets a counting sort in one block do it in O(N / 1024) steps.
+constexpr int kOrderBuckets = 128;
+__device__ __forceinline__ int order_bucket(int cnt) {
+  if (cnt <= 0) return 0;
+  const int e = 31 - __clz(cnt);
+  const int m = e >= 2 ? (cnt >> (e - 2)) & 3 : (cnt << (2 - e)) & 3;
+  return 1 + 4 * e + m;  // <= 124
+}
+__device__ __forceinline__ int seq_chunks(const SeqDesc& sd, int n) {
+  int64_t b, t0, len;
+  seq_bounds(sd, n, b, t0, len);
+  return static_cast<int>((len + kC - 1) / kC);
+}
+
+// order[0..N): the sequences by descending bucket, equal buckets in index order (a stable
+// counting sort, so the launch order is deterministic). All 1024 threads call it.
+__device__ void longest_first_order(const SeqDesc& sd, int N, int* order) {
+  __shared__ int cursor[kOrderBuckets];             // next free slot of each bucket
+  __shared__ int below[32][kOrderBuckets];           // per batch: earlier warps' count per bucket
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid < kOrderBuckets) cursor[tid] = 0;
+  __syncthreads();
+  for (int n = tid; n < N; n += 1024) atomicAdd(&cursor[order_bucket(seq_chunks(sd, n))], 1);
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the counts from the top bucket down (4 buckets a lane)
+    int c[4], sum = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum += (c[i] = cursor[kOrderBuckets - 1 - (4 * lane + i)]);
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int start = incl - sum;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      cursor[kOrderBuckets - 1 - (4 * lane + i)] = start;
+      start += c[i];
+    }
+  }
+  __syncthreads();
+  for (int base = 0; base < N; base += 1024) {  // batches of 1024 sequences, in index order
+    const int n = base + tid;
+    const int key = n < N ? order_bucket(seq_chunks(sd, n)) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    const int in_warp = __popc(peers & ((1u << lane) - 1u));
+#pragma unroll
+    for (int i = 0; i < kOrderBuckets / 32; ++i) below[warp][lane + 32 * i] = 0;
+    __syncwarp();
+    if (key >= 0 && in_warp == 0) below[warp][key] = __popc(peers);
+    __syncthreads();
+    int batch_count = 0;  // per bucket: exclusive scan over the warps
+    if (tid < kOrderBuckets) {
+      for (int w = 0; w < 32; ++w) {
+        const int c = below[w][tid];
+        below[w][tid] = batch_count;
+        batch_count += c;
+      }
+    }
+    __syncthreads();
+    if (key >= 0) order[cursor[key] + below[warp][key] + in_warp] = n;
+    __syncthreads();
+    if (tid < kOrderBuckets) cursor[tid] += batch_count;
+    __syncthreads();
+  }
+}
+
 // off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
-// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written)
-// and the recurrence fills o and the final state with NaN instead (see fill_nan_outputs).
+// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written),
+// the order is the identity, and the kernels fill their outputs with NaN instead (see
+// fill_nan_outputs).
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready) {
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   __shared__ int warp_sum[32];
   __shared__ int carry;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int* order = off + N + 2;
   if (tid == 0) carry = 0;
   int bad = 0;
   if (sd.cu) {
@@ -31,18 +104,14 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
   }
   if (__syncthreads_or(bad)) {
     for (int n = tid; n <= N; n += 1024) off[n] = 0;
+    for (int n = tid; n < N; n += 1024) order[n] = n;
     if (tid == 0) off[N + 1] = 1;
     return;
   }
   if (tid == 0) off[N + 1] = 0;
   for (int base = 0; base < N; base += 1024) {
     const int n = base + tid;
-    int cnt = 0;
-    if (n < N) {
-      int64_t b, t0, len;
-      seq_bounds(sd, n, b, t0, len);
-      cnt = static_cast<int>((len + kC - 1) / kC);
-    }
+    const int cnt = n < N ? seq_chunks(sd, n) : 0;
     int x = cnt;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -68,6 +137,11 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
     __syncthreads();
   }
   if (tid == 0) off[0] = 0;
+  if (N == 1) {
+    if (tid == 0) order[0] = 0;
+  } else {
+    longest_first_order(sd, N, order);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

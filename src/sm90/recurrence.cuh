@@ -65,9 +65,7 @@ struct RecCfg {
 // lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
 static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
 
-// A recurrence CTA's coordinates. blockIdx.x = V tile fastest, then sequence: the CTAs of one
-// (sequence, head) launch together, so they read each chunk's data from L2 at about the same
-// time (and a later wave does not split them); blockIdx.y = value head.
+// A recurrence CTA's coordinates (grid order: seq_cta in common.cuh).
 struct RecTile {
   int vt, n, hv;
   int64_t b, t0, slen;  // batch row, first token, length of the sequence
@@ -76,9 +74,10 @@ struct RecTile {
 template <int VT>
 __device__ __forceinline__ RecTile rec_tile(const RecParams& p) {
   RecTile t;
-  t.vt = blockIdx.x % (kDV / VT);
-  t.n = blockIdx.x / (kDV / VT);
-  t.hv = blockIdx.y;
+  const SeqCta c = seq_cta(p.chunk_off, p.N, p.HV, kDV / VT);
+  t.vt = c.vt;
+  t.n = c.n;
+  t.hv = c.hv;
   seq_bounds(p.sd, t.n, t.b, t.t0, t.slen);
   t.nch = static_cast<int>((t.slen + kC - 1) / kC);
   t.ci0 = p.chunk_off[t.n];

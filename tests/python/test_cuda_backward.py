@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import qla
 from conftest import capture_cuda_graph, reference, rel_err
-from test_cuda_forward import _inputs
+from test_cuda_forward import _inputs, _mixed_lengths
 
 pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
@@ -58,6 +58,14 @@ def test_backward_accuracy_bf16(gate):
 def test_backward_varlen_gva_state_v_first():
     x = _inputs([0, 1, 63, 64, 65, 200, 130], 1, 4, "mild", seed=12)
     got, ref = _grads(x, *_upstream(x, 13), state_v_first=True)
+    for n in NAMES:
+        assert rel_err(got[n], ref[n]) <= TOLS[n], (n, rel_err(got[n], ref[n]))
+
+
+def test_backward_many_sequences_of_mixed_lengths():
+    # 40 sequences over several waves of the states pass and the reverse chain (longest first).
+    x = _inputs(_mixed_lengths(40, 22, 200), 1, 4, "mild", seed=22)
+    got, ref = _grads(x, *_upstream(x, 23))
     for n in NAMES:
         assert rel_err(got[n], ref[n]) <= TOLS[n], (n, rel_err(got[n], ref[n]))
 

@@ -79,6 +79,27 @@ def test_gva_ratios(H, HV):
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+def _mixed_lengths(n, seed, longest):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, longest + 1, (n,), generator=gen).tolist()
+    lens[::7] = [0] * len(lens[::7])  # empty sequences among them
+    return lens
+
+
+def test_many_sequences_of_mixed_lengths_over_several_waves():
+    # 70 sequences (more than one warp of the chunk table's longest-first sort, repeated and
+    # empty lengths): the recurrence's CTAs run longest first over several waves, and every
+    # sequence must still land in its own rows and final state.
+    e_o, e_h = _check(_inputs(_mixed_lengths(70, 20, 300), 2, 4, "mild", seed=20))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+def test_two_uneven_sequences_many_heads():
+    # V tile 32 with more CTAs than SMs (2 x 48 x 4): the long sequence's CTAs go first.
+    e_o, e_h = _check(_inputs([130, 700], 16, 48, "mild", seed=21))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
 def test_state_v_first_no_initial_state_fp16_and_scale():
     e_o, e_h = _check(_inputs([100, 50], 1, 2, "mild", seed=3), state_v_first=True)
     assert e_o < TOL and e_h < TOL
