@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
-#   bash scripts/device_check.sh [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par] [grid-bwd] [grid-bwd-par]
+#   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
+#                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait]
 #   (default: tests memcheck bench grid)
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
@@ -29,6 +30,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     2>&1 | tail -3
   [[ -f .whl/tilelang_z3.tar.xz ]] && python3 -c "import tarfile; tarfile.open('.whl/tilelang_z3.tar.xz').extractall('/tmp/site')"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# fi-bg: FlashInfer's JIT build (about 64 nvcc jobs) in the background at low priority while the
+# other stages run; fi-wait waits for it at the end, up to FI_WAIT_S seconds (the next call on the
+# warm machine resumes an unfinished build). Log: $OUT/fi_build.log.
+fi_pid=
+if want fi-bg; then
+  MAX_JOBS=${FI_JOBS:-24} nice -n 19 python3 bench/fi_build.py > "$OUT/fi_build.log" 2>&1 &
+  fi_pid=$!
 fi
 
 cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
@@ -113,9 +123,21 @@ if want grid-bwd-par; then
   echo "== backward grid, parallel over GPUs"
   grid_par bwd "16/32,2/4;8/16,4/8"
 fi
+if want ab; then
+  # A/B of two standalone forward test binaries with test hooks, built with nvcc on the
+  # development machine from two commits (.ab/fwd_old, .ab/fwd_new; carry .ab): the same bench
+  # rows, their V tile 32/64 and overlap variants, alternating on one GPU.
+  for b in old new old new; do echo "== ab $b"; timeout 120 .ab/fwd_$b --bench 2>&1 | grep "^bench"; done | tee "$OUT/ab.log"
+fi
+
 if want grid-bwd; then
   echo "== backward grid"
   python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
     | tee "$OUT/grid_bwd.log" | tail -25
+fi
+if [[ -n $fi_pid ]] && want fi-wait; then
+  echo "== waiting for the FlashInfer build (up to ${FI_WAIT_S:-300} s)"
+  for ((i = 0; i < ${FI_WAIT_S:-300}; i += 5)); do kill -0 "$fi_pid" 2>/dev/null || break; sleep 5; done
+  grep -E "^\[[0-9]+/[0-9]+\]" "$OUT/fi_build.log" | tail -n 2; grep "fi_build\]" "$OUT/fi_build.log"
 fi
 exit $status

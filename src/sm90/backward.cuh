@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
 
   const int tid = threadIdx.x, warp = tid >> 5, wt = tid & 127;
   if (p.chunk_off[p.N + 1]) return;  // malformed cu_seqlens: launch 6 writes NaN
-  const SeqCta cta = seq_cta(p.chunk_off, p.N, p.HV, kDV / VT);
+  const SeqCta cta = seq_cta<kDV / VT>(p.chunk_off, p.N);
+  if (!cta.live) return;
   const int vt = cta.vt, n = cta.n, hv = cta.hv;
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);

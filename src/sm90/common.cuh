@@ -244,22 +244,38 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 // sequences longest first (the launch order of the sequential passes).
 __host__ __device__ constexpr int64_t chunk_table_ints(int64_t N) { return 2 * N + 2; }
 
-// A CTA of a sequential pass (forward recurrence, backward states pass and reverse chain). The
-// grid is flat, N * HV * nvt CTAs: V tile fastest (a (sequence, head)'s V-tile CTAs start
-// together and read each chunk's data from L2 at about the same time), then value head, then
-// the sequence's rank in the longest-first order. When the grid takes more than one wave, a
-// short sequence launched ahead of a long one would delay the long chain by its whole length
-// (8/32 at 6144+2048: 192 chunk steps instead of 128); longest first bounds that.
+// A CTA of a sequential pass (forward recurrence, backward states pass and reverse chain).
+// Launch order = blockIdx x, then y, then z: x = V tile fastest, then value head (a (sequence,
+// head)'s V-tile CTAs start together and read each chunk's data from L2 at about the same
+// time); y + gridDim.y * z = the sequence's rank in the longest-first order. When the grid
+// takes more than one wave, a short sequence launched ahead of a long one would delay the long
+// chain by its whole length (8/32 at 6144+2048: 192 chunk steps instead of 128); longest first
+// bounds that. x and the rank keep vt, hv in uniform registers (a flat index would need a
+// runtime division, measured 3% slower at V tile 64). z is 1 unless N > 65535; CTAs past N
+// (live = false) leave after the malformed-input check.
+constexpr int kMaxGridY = 65535;
+inline dim3 seq_grid(int N, int HV, int nvt) {
+  const int y = N < kMaxGridY ? N : kMaxGridY;
+  return dim3(static_cast<unsigned>(nvt * HV), static_cast<unsigned>(y), static_cast<unsigned>((N + y - 1) / y));
+}
 struct SeqCta {
   int vt, hv, n;
+  bool live;
 };
-__device__ __forceinline__ SeqCta seq_cta(const int* table, int N, int HV, int nvt) {
+template <int NVT>
+__device__ __forceinline__ SeqCta seq_cta(const int* table, int N) {
   SeqCta c;
-  const int64_t lin = blockIdx.x;
-  c.vt = static_cast<int>(lin % nvt);
-  c.hv = static_cast<int>((lin / nvt) % HV);
-  c.n = table[N + 2 + lin / (static_cast<int64_t>(nvt) * HV)];
+  c.vt = static_cast<int>(blockIdx.x % NVT);
+  c.hv = static_cast<int>(blockIdx.x / NVT);
+  const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  c.live = rank < N;
+  c.n = c.live ? table[N + 2 + rank] : 0;
   return c;
+}
+// Blocks and this block's index over a whole (up to 3-D) grid: grid-stride loops.
+__device__ __forceinline__ int64_t grid_blocks() { return static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z; }
+__device__ __forceinline__ int64_t flat_block() {
+  return (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 }
 
 

@@ -178,7 +178,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     // No output; o = dv only takes the NaN fill on malformed cu_seqlens (launch 6 fills them all).
     rp.o = p.dv.data;
     for (int i = 0; i < 3; ++i) rp.so[i] = p.dv.stride[i];
-    gdn_recur_ws<T, true><<<static_cast<unsigned>(N * HV * (kDV / kWsVT)), 288, RecWsCfg::kSmem, stream>>>(rp);
+    gdn_recur_ws<T, true><<<seq_grid(N, HV, kDV / kWsVT), 288, RecWsCfg::kSmem, stream>>>(rp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur (states)");
   }
 
@@ -199,7 +199,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rv.N = N;
     rv.H = H;
     rv.HV = HV;
-    gdn_bwd_reverse<T><<<static_cast<unsigned>(N * HV * (kDV / kRevVT)), 288, RevCfg::kSmem, stream>>>(rv);
+    gdn_bwd_reverse<T><<<seq_grid(N, HV, kDV / kRevVT), 288, RevCfg::kSmem, stream>>>(rv);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_reverse");
   }
 

@@ -182,7 +182,7 @@ Status launch(const GdnForwardParams& p) {
 #endif
   if (vt32) {
     cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(rec_ctas));  // flat, longest sequence first (seq_cta)
+    cfg.gridDim = seq_grid(N, HV, kDV / kWsVT);  // longest sequence first (seq_cta)
     cfg.blockDim = dim3(288);
     cfg.dynamicSmemBytes = RecWsCfg::kSmem;
     cfg.stream = stream;
@@ -193,7 +193,7 @@ Status launch(const GdnForwardParams& p) {
     cfg.numAttrs = overlap ? 1 : 0;
     QLA_CUDA_TRY(cudaLaunchKernelEx(&cfg, gdn_recur_ws<T>, rp), "launch gdn_recur_ws");
   } else {
-    gdn_recur<T, 64><<<static_cast<unsigned>(rec_ctas), 160, RecCfg<64>::kSmem, stream>>>(rp);
+    gdn_recur<T, 64><<<seq_grid(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
   }
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
   return Status::Ok();

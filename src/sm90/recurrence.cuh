@@ -68,16 +68,18 @@ static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
 // A recurrence CTA's coordinates (grid order: seq_cta in common.cuh).
 struct RecTile {
   int vt, n, hv;
+  bool live;            // false: a padding CTA past the last sequence (seq_grid)
   int64_t b, t0, slen;  // batch row, first token, length of the sequence
   int nch, ci0;         // its chunks and the index of its first one
 };
 template <int VT>
 __device__ __forceinline__ RecTile rec_tile(const RecParams& p) {
   RecTile t;
-  const SeqCta c = seq_cta(p.chunk_off, p.N, p.HV, kDV / VT);
+  const SeqCta c = seq_cta<kDV / VT>(p.chunk_off, p.N);
   t.vt = c.vt;
   t.n = c.n;
   t.hv = c.hv;
+  t.live = c.live;
   seq_bounds(p.sd, t.n, t.b, t.t0, t.slen);
   t.nch = static_cast<int>((t.slen + kC - 1) / kC);
   t.ci0 = p.chunk_off[t.n];
@@ -128,8 +130,8 @@ __device__ __forceinline__ T* image_block(void* images, int elems, int HV, int c
 // every element of o and of the final state becomes NaN (grid-stride over the whole grid).
 template <class T>
 __device__ void fill_nan_outputs(const RecParams& p) {
-  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
-  const int64_t first = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = grid_blocks() * blockDim.x;
+  const int64_t first = flat_block() * blockDim.x + threadIdx.x;
   const int64_t HV = p.HV, no = p.sd.T * HV * kDV;  // varlen: B == 1
   T* o = static_cast<T*>(p.o);
   for (int64_t i = first; i < no; i += nthreads) {
@@ -217,6 +219,7 @@ __global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecP
     fill_nan_outputs<T>(p);
     return;
   }
+  if (!tile.live) return;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -428,6 +431,7 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
     fill_nan_outputs<T>(p);
     return;
   }
+  if (!tile.live) return;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {

@@ -506,6 +506,15 @@ static std::vector<Case> bench_rows() {
   row("397B TP4 4096x4", 4, 4096, 4, 16);
   row("35B TP1 28672+4096", 1, 32768, 16, 32);
   r.back().lens = {28672, 4096};
+  // Where the V-tile choice is close (one sequence, many heads: V tile 32 takes 1.5-2 waves).
+  row("27B TP1 1x8192", 1, 8192, 16, 48);
+  row("397B TP1 1x8192", 1, 8192, 16, 64);
+  row("397B TP1 1x32768", 1, 32768, 16, 64);
+  row("27B TP2 8192x4", 4, 8192, 8, 24);
+  row("35B TP1 6144+2048", 1, 8192, 16, 32);
+  r.back().lens = {6144, 2048};
+  row("397B TP1 1024+7168", 1, 8192, 16, 64);
+  r.back().lens = {1024, 7168};
   return r;
 }
 
