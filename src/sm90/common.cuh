@@ -244,6 +244,22 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 // sequences longest first (the launch order of the sequential passes).
 __host__ __device__ constexpr int64_t chunk_table_ints(int64_t N) { return 2 * N + 2; }
 
+// Sort key of the longest-first order (gdn_chunk_table): the chunk count at quarter-octave
+// resolution (bucket 1 + 4 e + m for cnt = 2^e * 1.m..., 0 for an empty sequence). Counts 1.25x
+// apart always differ, which is all the launch order needs, and 128 buckets let a counting sort
+// in one block do it in O(N / 1024) steps. Host and device (tests/cuda/sm90_layout_test.cu).
+constexpr int kOrderBuckets = 128;
+__host__ __device__ __forceinline__ int order_bucket(int cnt) {
+  if (cnt <= 0) return 0;
+#ifdef __CUDA_ARCH__
+  const int e = 31 - __clz(cnt);
+#else
+  const int e = 31 - __builtin_clz(static_cast<unsigned>(cnt));
+#endif
+  const int m = e >= 2 ? (cnt >> (e - 2)) & 3 : (cnt << (2 - e)) & 3;
+  return 1 + 4 * e + m;  // <= 124
+}
+
 // A CTA of a sequential pass (forward recurrence, backward states pass and reverse chain).
 // Launch order = blockIdx x, then y, then z: x = V tile fastest, then value head (a (sequence,
 // head)'s V-tile CTAs start together and read each chunk's data from L2 at about the same

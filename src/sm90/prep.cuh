@@ -16,16 +16,6 @@ using namespace cute;
 //    longest first (layout: chunk_table_ints in common.cuh). One block. Also clears the ready
 //    flags of the overlapped mode.
 // ---------------------------------------------------------------------------------------------
-// Sort key of the longest-first order: the chunk count at quarter-octave resolution (bucket
-// 1 + 4 e + m for cnt = 2^e * 1.m..., 0 for an empty sequence), which is all the launch order
-// needs and lets a counting sort in one block do it in O(N / 1024) steps.
-constexpr int kOrderBuckets = 128;
-__device__ __forceinline__ int order_bucket(int cnt) {
-  if (cnt <= 0) return 0;
-  const int e = 31 - __clz(cnt);
-  const int m = e >= 2 ? (cnt >> (e - 2)) & 3 : (cnt << (2 - e)) & 3;
-  return 1 + 4 * e + m;  // <= 124
-}
 __device__ __forceinline__ int seq_chunks(const SeqDesc& sd, int n) {
   int64_t b, t0, len;
   seq_bounds(sd, n, b, t0, len);

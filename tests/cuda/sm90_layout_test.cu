@@ -2,7 +2,8 @@
 // a V-tile-32 chain kernel stores its block of a state or -dU image with one bulk copy of its
 // shared-memory operand, which is only right if the block of the global image (Lay<T>::DD_K,
 // ::TokV_K) is byte-identical to that operand (RecLay<T, 32>::VD_MN, ::VTok_MN), and the
-// gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes.
+// gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
+// of the sequential passes' longest-first launch order (order_bucket).
 #include <cstdio>
 #include <cstdlib>
 
@@ -39,6 +40,24 @@ int count_mismatches(T* base) {
   }
   return bad;
 }
+
+// order_bucket must never put a longer sequence before a shorter one (non-decreasing in the
+// chunk count), must separate counts 1.25x apart (the launch order then runs the long chains
+// first), and must stay inside the counting sort's kOrderBuckets bins for every int count.
+int order_key_violations() {
+  int bad = order_bucket(0) != 0 || order_bucket(-5) != 0;
+  int prev = 0;
+  for (int c = 1; c <= (1 << 22); ++c) {
+    const int b = order_bucket(c);
+    if (b < prev || b < 1 || b >= kOrderBuckets) ++bad;
+    prev = b;
+    const long long c125 = (5LL * c + 3) / 4;  // ceil(1.25 c)
+    if (c125 <= (1 << 22) && order_bucket(static_cast<int>(c125)) <= b) ++bad;
+  }
+  for (int c : {(1 << 30) - 1, 1 << 30, 2147483647})
+    if (order_bucket(c) >= kOrderBuckets || order_bucket(c) < order_bucket(1 << 22)) ++bad;
+  return bad;
+}
 }  // namespace
 
 int main() {
@@ -47,6 +66,7 @@ int main() {
   const int bf = count_mismatches(static_cast<cutlass::bfloat16_t*>(raw));
   const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw));
   std::free(raw);
-  std::printf("image layout mismatches: bf16 %d, fp16 %d\n", bf, fp);
-  return bf == 0 && fp == 0 ? 0 : 1;
+  const int key = order_key_violations();
+  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d\n", bf, fp, key);
+  return bf == 0 && fp == 0 && key == 0 ? 0 : 1;
 }
