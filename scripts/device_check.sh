@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
-# benchmarks, and leave every log in $OUT. Usage (from the repo root, on the device):
+# benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait]
 #   (default: tests memcheck bench grid)
@@ -8,11 +8,17 @@
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
 # only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
 #   GRID_ARGS="--heads 16/32 --layouts 1x8192 --backends qla,flashqla" bash scripts/device_check.sh grid-bwd
-# Only a limited number of files under $OUT come back from a call: keep their count small.
+# Only eight files under $OUT come back from a call (the first eight by name): the logs go to
+# $LOGS, and $OUT/0_logs.tgz (sorted first) is refreshed after every stage, so a call killed at
+# its limit still returns them beside the JSON/Markdown results (`tar -xzf 0_logs.tgz`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/qla_out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/qla_logs}
+mkdir -p "$OUT" "$LOGS"
+rm -f "$LOGS"/*.log  # a warm machine keeps the previous call's
+snap() { tar -czf "$OUT/0_logs.tgz" -C "$LOGS" . 2>/dev/null; }
+trap snap EXIT
 export PYTHONUNBUFFERED=1
 stages=${*:-tests memcheck bench grid}
 want() { [[ " $stages " == *" $1 "* ]]; }
@@ -23,7 +29,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
   nvcc --version | tail -1
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} 2>&1 | tee "$OUT/env.log"
+} 2>&1 | tee "$LOGS/env.log"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,71 +40,79 @@ fi
 
 # fi-bg: FlashInfer's JIT build (about 64 nvcc jobs) in the background at low priority while the
 # other stages run; fi-wait waits for it at the end, up to FI_WAIT_S seconds (the next call on the
-# warm machine resumes an unfinished build). Log: $OUT/fi_build.log.
+# warm machine resumes an unfinished build). Log: $LOGS/fi_build.log.
 fi_pid=
 if want fi-bg; then
-  MAX_JOBS=${FI_JOBS:-24} nice -n 19 python3 bench/fi_build.py > "$OUT/fi_build.log" 2>&1 &
+  MAX_JOBS=${FI_JOBS:-24} nice -n 19 python3 bench/fi_build.py > "$LOGS/fi_build.log" 2>&1 &
   fi_pid=$!
 fi
+snap
 
 cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
-echo "== build" | tee "$OUT/build.log"
+echo "== build" | tee "$LOGS/build.log"
 start=$(date +%s)
 if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -q -e . \
     -Cbuild-dir=build/device -Ccmake.define.QLA_BUILD_TESTS=ON -Ccmake.define.QLA_CUTLASS_INCLUDE_DIR="$cutlass_inc" \
-    >>"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"
+    >>"$LOGS/build.log" 2>&1; then
+  tail -40 "$LOGS/build.log"
   exit 1
 fi
-echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
-grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | head -8
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOGS/build.log"
+grep -E "registers|spill" "$LOGS/build.log" | sort | uniq -c | head -8
+snap
 
 if want tests; then
   echo "== sm90 standalone test (C++, poisoned outputs, graph replay)"
-  build/device/tests/cpp/qla_sm90_forward_test 2>&1 | tee "$OUT/sm90_test.log" | tail -14
+  build/device/tests/cpp/qla_sm90_forward_test 2>&1 | tee "$LOGS/sm90_test.log" | tail -14
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   echo "== pytest (GPU and CPU suites)"
   # PYTEST_TARGETS narrows the suites (the CPU suites also run in CI), e.g. tests/python/test_cuda_forward.py
-  python3 -m pytest ${PYTEST_TARGETS:-tests/python} -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest.log" | tail -15
+  python3 -m pytest ${PYTEST_TARGETS:-tests/python} -q -p no:cacheprovider -rs 2>&1 | tee "$LOGS/pytest.log" | tail -15
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
+snap
 
 if want bwd; then
   echo "== sm90 backward: per-gradient check against the CPU backend, then its pytest suites"
-  timeout 300 python3 bench/backward_check.py 2>&1 | tee "$OUT/backward_check.log" | tail -10
+  timeout 300 python3 bench/backward_check.py 2>&1 | tee "$LOGS/backward_check.log" | tail -10
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   python3 -m pytest tests/python/test_cuda_backward.py tests/python/test_training.py -q -p no:cacheprovider -rs 2>&1 \
-    | tee "$OUT/pytest_bwd.log" | tail -15
+    | tee "$LOGS/pytest_bwd.log" | tail -15
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
+snap
 
 if want memcheck; then
   echo "== compute-sanitizer memcheck (small case)"
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/memcheck_case.py 2>&1 \
-    | tee "$OUT/memcheck.log" | tail -4
+    | tee "$LOGS/memcheck.log" | tail -4
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
+snap
 
 if want bench; then
   echo "== qla.bench"
-  timeout 120 python3 -m qla.bench 2>&1 | tee "$OUT/qla_bench.log" | tail -8
-  python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.log" | tail -8
-  python3 bench/peak_memory.py 2>&1 | tee "$OUT/peak_memory.log" | tail -4
+  timeout 120 python3 -m qla.bench 2>&1 | tee "$LOGS/qla_bench.log" | tail -8
+  python3 bench/host_overhead.py 2>&1 | tee "$LOGS/host_overhead.log" | tail -8
+  python3 bench/peak_memory.py 2>&1 | tee "$LOGS/peak_memory.log" | tail -4
 fi
+snap
 
 if want profile; then
   echo "== backward: device time per kernel (torch.profiler)"
   for h in ${PROFILE_HEADS:-16/32 8/16 4/8 2/4}; do
     python3 bench/profile_backward.py --heads "$h" --layouts ${PROFILE_LAYOUTS:-1x32768,1x8192,8192x4} 2>&1 | grep -v -i warn
-  done | tee "$OUT/profile_bwd.log"
+  done | tee "$LOGS/profile_bwd.log"
 fi
+snap
 
 if want grid; then
   echo "== forward grid"
   # GRID_ARGS narrows the rows or backends, e.g. "--layouts 1x32768,8192x4 --backends qla,fla".
   timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind fwd ${GRID_ARGS:-} --json "$OUT/grid_fwd.json" --out "$OUT/grid_fwd.md" 2>&1 \
-    | tee "$OUT/grid_fwd.log" | tail -45
+    | tee "$LOGS/grid_fwd.log" | tail -45
 fi
+snap
 # A grid (kind fwd or bwd) split by head configurations over the GPUs of the machine, one
 # process per GPU (each row still times QLA and its peers side by side in one process), then
 # merged. GRID_GROUPS: head lists separated by ';', one per GPU (default: the second argument).
@@ -107,11 +121,11 @@ grid_par() {
   IFS=';' read -ra groups <<< "${GRID_GROUPS:-$2}"
   for i in "${!groups[@]}"; do
     CUDA_VISIBLE_DEVICES=$i timeout ${GRID_TIMEOUT:-3000} python3 bench/run_grid.py --kind "$kind" --heads "${groups[$i]}" \
-      ${GRID_ARGS:-} --json "$OUT/grid_${kind}_$i.json" > "$OUT/grid_${kind}_$i.log" 2>&1 &
+      ${GRID_ARGS:-} --json "$OUT/grid_${kind}_$i.json" > "$LOGS/grid_${kind}_$i.log" 2>&1 &
     jsons+=("$OUT/grid_${kind}_$i.json")
   done
   wait
-  tail -n 3 "$OUT"/grid_"${kind}"_*.log
+  tail -n 3 "$LOGS"/grid_"${kind}"_*.log
   python3 bench/run_grid.py --merge "${jsons[@]}" --out "$OUT/grid_${kind}.md" 2>&1 | tail -n 3
   grep -E "geometric|faster on" "$OUT/grid_${kind}.md"
 }
@@ -119,25 +133,30 @@ if want grid-par; then
   echo "== forward grid, parallel over GPUs"
   grid_par fwd "2/8,4/16,8/32,16/64,16/32;8/24,16/48,16/16,32/32"
 fi
+snap
 if want grid-bwd-par; then
   echo "== backward grid, parallel over GPUs"
   grid_par bwd "16/32,2/4;8/16,4/8"
 fi
+snap
 if want ab; then
   # A/B of two standalone forward test binaries with test hooks, built with nvcc on the
   # development machine from two commits (.ab/fwd_old, .ab/fwd_new; carry .ab): the same bench
   # rows, their V tile 32/64 and overlap variants, alternating on one GPU.
-  for b in old new old new; do echo "== ab $b"; timeout 120 .ab/fwd_$b --bench 2>&1 | grep "^bench"; done | tee "$OUT/ab.log"
+  for b in old new old new; do echo "== ab $b"; timeout 120 .ab/fwd_$b --bench 2>&1 | grep "^bench"; done | tee "$LOGS/ab.log"
 fi
+snap
 
 if want grid-bwd; then
   echo "== backward grid"
   python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
-    | tee "$OUT/grid_bwd.log" | tail -25
+    | tee "$LOGS/grid_bwd.log" | tail -25
 fi
+snap
 if [[ -n $fi_pid ]] && want fi-wait; then
   echo "== waiting for the FlashInfer build (up to ${FI_WAIT_S:-300} s)"
   for ((i = 0; i < ${FI_WAIT_S:-300}; i += 5)); do kill -0 "$fi_pid" 2>/dev/null || break; sleep 5; done
-  grep -E "^\[[0-9]+/[0-9]+\]" "$OUT/fi_build.log" | tail -n 2; grep "fi_build\]" "$OUT/fi_build.log"
+  grep -E "^\[[0-9]+/[0-9]+\]" "$LOGS/fi_build.log" | tail -n 2; grep "fi_build\]" "$LOGS/fi_build.log"
 fi
+snap
 exit $status
