@@ -271,8 +271,8 @@ __host__ __device__ __forceinline__ int order_bucket(int cnt) {
 // z is 1 unless N > 65535; CTAs past N (live = false) leave after the malformed-input check.
 constexpr int kMaxGridY = 65535;
 inline dim3 seq_grid(int N, int HV, int nvt) {
-  const int y = N < kMaxGridY ? N : kMaxGridY;
-  return dim3(static_cast<unsigned>(nvt * HV), static_cast<unsigned>(y), static_cast<unsigned>((N + y - 1) / y));
+  const int z = (N + kMaxGridY - 1) / kMaxGridY, y = (N + z - 1) / z;  // y * z - N < z padding CTAs
+  return dim3(static_cast<unsigned>(nvt * HV), static_cast<unsigned>(y), static_cast<unsigned>(z));
 }
 struct SeqCta {
   int vt, hv, n;
