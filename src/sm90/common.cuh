@@ -267,7 +267,7 @@ __host__ __device__ __forceinline__ int order_bucket(int cnt) {
 // takes more than one wave, a short sequence launched ahead of a long one would delay the long
 // chain by its whole length (8/32 at 6144+2048: 192 chunk steps instead of 128); longest first
 // bounds that. x and the rank keep vt, hv in uniform registers (a flat index needs a runtime
-// division and moved them to vector registers; the V-tile-64 grid rows ran 2-4% slower with it).
+// division, which moved them to vector registers in the SASS).
 // z is 1 unless N > 65535; CTAs past N (live = false) leave after the malformed-input check.
 constexpr int kMaxGridY = 65535;
 inline dim3 seq_grid(int N, int HV, int nvt) {
