@@ -108,6 +108,7 @@ NB_MODULE(_C, m) {
   m.doc() = "QLA core binding (pointers and strides; see qla/_ops.py)";
   m.def("version", [] { return std::string(qla::version()); });
   m.def("cuda_compiled", [] { return qla::sm90::compiled(); });
+  m.def("prepare_cuda_device", [] { raise_if_error(qla::prepare_cuda_device()); });
 
   m.def(
       "forward_workspace_size",

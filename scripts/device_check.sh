@@ -2,8 +2,13 @@
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
-#                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait]
+#                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
 #   (default: tests memcheck bench grid)
+# wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
+#   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
+#   its first and second calls timed (bench/first_call.py), qla.bench and the GPU pytest suites
+#   run against it. No build on the device for this stage alone.
+# cold-peers: FlashQLA's and FlashInfer's first call from empty JIT caches (carry ".whl").
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
 # only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
@@ -47,6 +52,53 @@ if want fi-bg; then
   fi_pid=$!
 fi
 snap
+
+# The wheel stage: before anything compiles or warms a cache on this machine.
+if want wheel; then
+  echo "== wheel: install into a fresh environment (no compiler on PATH)" | tee "$LOGS/wheel.log"
+  wheel=$(ls dist/qla-*-cp312-*.whl 2>/dev/null | head -1)
+  if [[ -z $wheel ]]; then echo "no dist/qla-*-cp312-*.whl (build it with Python 3.12, carry dist)"; exit 1; fi
+  uv=/tmp/qla_user_env
+  rm -rf "$uv"
+  torch_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  python3 -m venv "$uv" 2>>"$LOGS/wheel.log" || python3 -m venv --without-pip "$uv"
+  echo "$torch_site" > "$("$uv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/reuse_installed_torch.pth"
+  if [[ -x $uv/bin/pip ]]; then inst=("$uv/bin/python" -m pip); else inst=(python3 -m pip --python "$uv/bin/python"); fi
+  env -i HOME=/tmp PATH="$uv/bin:/usr/bin:/bin" "${inst[@]}" install -q --no-index --disable-pip-version-check "$wheel" \
+    2>&1 | tee -a "$LOGS/wheel.log"
+  python3 scripts/check_wheel.py "$wheel" 2>&1 | tee -a "$LOGS/wheel.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  user_path="$uv/bin:/usr/bin:/bin"  # no nvcc: nothing can be compiled at import or at the first call
+  if PATH=$user_path command -v nvcc >/dev/null; then echo "warning: nvcc is on $user_path"; fi
+  echo "== wheel: first and second call (fresh process per row)"
+  PATH=$user_path "$uv/bin/python" bench/first_call.py --backends qla ${FIRST_CALL_ARGS:-} --json "$OUT/first_call_qla.json" 2>&1 \
+    | tee "$LOGS/first_call_qla.log" | tail -n 14
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  echo "== wheel: qla.bench"
+  (cd /tmp && PATH=$user_path timeout 120 "$uv/bin/python" -m qla.bench) 2>&1 | tee "$LOGS/wheel_qla_bench.log" | tail -n 6
+  echo "== wheel: GPU pytest suites against the installed wheel"
+  # From a copy of tests/ only, so that nothing of the source tree is importable as qla.
+  rm -rf /tmp/qla_wheel_tests && cp -r tests /tmp/qla_wheel_tests
+  (cd /tmp/qla_wheel_tests && PATH=$user_path "$uv/bin/python" -m pytest ${WHEEL_TESTS:-python/test_cuda_forward.py python/test_cuda_backward.py python/test_training.py} \
+     -q -p no:cacheprovider -rs) 2>&1 | tee "$LOGS/wheel_pytest.log" | tail -n 8
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+snap
+if want cold-peers; then
+  echo "== cold start of the peers (empty JIT caches, one after the other)"
+  # The parent process reads the rows from qla.bench: the wheel stage's environment (earlier in
+  # this call or in an earlier call on this warm machine) has qla; the children import only the peer.
+  py_cold=/tmp/qla_user_env/bin/python
+  [[ -x $py_cold ]] || { echo "cold-peers needs the wheel stage first"; exit 1; }
+  timeout 590 "$py_cold" bench/first_call.py --backends ${COLD_BACKENDS:-flashqla,flashinfer} --timeout ${COLD_TIMEOUT_S:-420} \
+    --json "$OUT/first_call_peers.json" 2>&1 | tee "$LOGS/first_call_peers.log" | tail -n 6
+fi
+snap
+# The build serves every other stage.
+build_stages=" tests bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par ab "
+need_build=0
+for st in $stages; do [[ $build_stages == *" $st "* ]] && need_build=1; done
+[[ $need_build -eq 1 ]] || exit $status
 
 cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
 echo "== build" | tee "$LOGS/build.log"

@@ -23,6 +23,10 @@ Status forward(const GdnForwardParams& p);
 // The backward: checks its own limits (as check_supported, plus do/dq/dk/dv), then the kernels.
 Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
 Status backward(const GdnBackwardParams& p);
+// The one-time work of a first call on the current device, for both dtypes: kernels loaded,
+// shared-memory limits set. Optional (forward/backward do what is still missing).
+Status prepare_forward();
+Status prepare_backward();
 }  // namespace sm90
 
 }  // namespace qla

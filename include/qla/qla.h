@@ -170,6 +170,13 @@ Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
 Status gdn_forward(const GdnForwardParams& p);
 Status gdn_backward(const GdnBackwardParams& p);
 
+// Optional: does on the current CUDA device the one-time work of a first call (loads the
+// sm90 kernels, sets their shared-memory limits), so that the first gdn_forward /
+// gdn_backward there costs what the next one does. Call it once the device's context exists
+// (an engine's start-up, say); the calls do whatever is still missing themselves.
+// kNotSupported without a CUDA backend or on a device that is not compute capability 9.x.
+Status prepare_cuda_device();
+
 // Library version string.
 const char* version();
 

@@ -51,4 +51,9 @@ Status gdn_backward(const GdnBackwardParams& p) {
   return sm90::backward(p);
 }
 
+Status prepare_cuda_device() {
+  Status s = sm90::prepare_forward();
+  return s.ok() ? sm90::prepare_backward() : s;
+}
+
 }  // namespace qla

@@ -22,4 +22,6 @@ Status backward_workspace_size(const GdnBackwardParams&, size_t* bytes) {
   return unavailable();
 }
 Status backward(const GdnBackwardParams&) { return unavailable(); }
+Status prepare_forward() { return unavailable(); }
+Status prepare_backward() { return unavailable(); }
 }  // namespace qla::sm90

@@ -91,6 +91,27 @@ Status bwd_check_supported(const GdnBackwardParams& p) {
   return Status::Ok();
 }
 
+// The one-time work of a first call, per device and dtype (as the forward's prepare_kernels):
+// the shared-memory opt-ins, which load those kernels, and a query that loads the others.
+template <class T>
+Status bwd_prepare_kernels(DeviceInfo* dinfo) {
+  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
+  if (__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) return Status::Ok();
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
+               "cudaFuncSetAttribute(gdn_prep)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_recur_ws)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_reverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
+               "cudaFuncSetAttribute(gdn_bwd_grads)");
+  cudaFuncAttributes attr;
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_bwd_finish<T>), "cudaFuncGetAttributes(gdn_bwd_finish)");
+  __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
+  return Status::Ok();
+}
+
 template <class T>
 Status bwd_launch(const GdnBackwardParams& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -103,19 +124,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
+  if (ds.ok()) ds = bwd_prepare_kernels<T>(dinfo);
   if (!ds.ok()) return ds;
-  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
-  if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
-                 "cudaFuncSetAttribute(gdn_prep)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur_ws)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
-                 "cudaFuncSetAttribute(gdn_bwd_reverse)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmem),
-                 "cudaFuncSetAttribute(gdn_bwd_grads)");
-    __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
-  }
 
   CUtensorMap tmq, tmk, tmv, tmdo, tmdo32;
   Status ms = make_tile_map(&tmq, p.q, H, p.shape);
@@ -263,6 +273,14 @@ Status bwd_launch(const GdnBackwardParams& p) {
 }
 
 }  // namespace
+
+Status prepare_backward() {
+  DeviceInfo* dinfo = nullptr;
+  Status s = hopper_device_info(&dinfo);
+  if (s.ok()) s = bwd_prepare_kernels<cutlass::bfloat16_t>(dinfo);
+  if (s.ok()) s = bwd_prepare_kernels<cutlass::half_t>(dinfo);
+  return s;
+}
 
 Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
   if (!bytes) return Status::Error(StatusCode::kInvalidArgument, "sm90 backward: bytes is null");

@@ -68,6 +68,25 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   return w;
 }
 
+// The one-time work of a first call, per device and dtype: opt in to more than 48 KiB of
+// shared memory, which also loads each kernel (with lazy module loading, a kernel's first
+// attribute call or launch loads it; gdn_chunk_table needs no opt-in and is loaded by a query).
+template <class T>
+Status prepare_kernels(DeviceInfo* dinfo) {
+  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
+  if (__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) return Status::Ok();
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
+               "cudaFuncSetAttribute(gdn_prep)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_recur_ws)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
+               "cudaFuncSetAttribute(gdn_recur)");
+  cudaFuncAttributes attr;
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
+  __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
+  return Status::Ok();
+}
+
 template <class T>
 Status launch(const GdnForwardParams& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -80,17 +99,8 @@ Status launch(const GdnForwardParams& p) {
 
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
+  if (ds.ok()) ds = prepare_kernels<T>(dinfo);
   if (!ds.ok()) return ds;
-  const int dt = std::is_same_v<T, cutlass::bfloat16_t> ? 0 : 1;
-  if (!__atomic_load_n(&dinfo->smem_ready[dt], __ATOMIC_ACQUIRE)) {  // opt in to > 48 KiB of shared memory, once
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_prep<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kPrepSmem),
-                 "cudaFuncSetAttribute(gdn_prep)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur_ws)");
-    QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
-                 "cudaFuncSetAttribute(gdn_recur)");
-    __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
-  }
 
   // Tensor maps of q and k (shared by prep and recurrence); v's is made for prep below.
   CUtensorMap tmq, tmk;
@@ -245,6 +255,14 @@ Status check_supported(const GdnForwardParams& p) {
   const int major = dinfo->major;
   if (major != 9) return ns("device is compute capability " + std::to_string(major) + ".x, the sm90 backend needs 9.x");
   return Status::Ok();
+}
+
+Status prepare_forward() {
+  DeviceInfo* dinfo = nullptr;
+  Status s = hopper_device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<cutlass::bfloat16_t>(dinfo);
+  if (s.ok()) s = prepare_kernels<cutlass::half_t>(dinfo);
+  return s;
 }
 
 Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes) {

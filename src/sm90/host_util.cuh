@@ -62,6 +62,15 @@ Status device_info(DeviceInfo** out) {
   return Status::Ok();
 }
 
+// device_info, and a kNotSupported error unless the current device is compute capability 9.x.
+Status hopper_device_info(DeviceInfo** out) {
+  Status s = device_info(out);
+  if (s.ok() && (*out)->major != 9)
+    s = Status::Error(StatusCode::kNotSupported, "sm90: device is compute capability " +
+                                                     std::to_string((*out)->major) + ".x, the sm90 backend needs 9.x");
+  return s;
+}
+
 // Sequences, and an upper bound on the total chunk count from shapes only (forward or backward params).
 template <class P>
 int64_t num_seqs(const P& p) { return p.cu_seqlens.data ? p.num_seqs : p.shape.batch; }
