@@ -39,9 +39,9 @@ def layout(lengths):
 
 QLA_VARIANTS = {
     # where the one-time work of loading the kernels falls (see python/qla/__init__.py)
-    "import-before-cuda": "qla imported before the CUDA context exists: the first call loads the kernels",
-    "import-after-cuda": "qla imported once the context exists: the import loads them",
-    "prepare": "imported before, then qla.prepare_cuda_device() at start-up (not timed as a call)",
+    "import-before-cuda": "qla imported before CUDA is up: its runtime starts with torch's, the first call loads the kernels",
+    "import-after-cuda": "qla imported once a context exists: the import does both",
+    "prepare": "imported before, then qla.prepare_cuda_device() at start-up (timed apart, prepare_s)",
 }
 
 

@@ -109,6 +109,7 @@ NB_MODULE(_C, m) {
   m.def("version", [] { return std::string(qla::version()); });
   m.def("cuda_compiled", [] { return qla::sm90::compiled(); });
   m.def("prepare_cuda_device", [] { raise_if_error(qla::prepare_cuda_device()); });
+  m.def("init_cuda_runtime", [] { raise_if_error(qla::sm90::init_runtime()); });
 
   m.def(
       "forward_workspace_size",

@@ -79,7 +79,7 @@ if want wheel; then
   echo "== wheel: GPU pytest suites against the installed wheel"
   # From a copy of tests/ only, so that nothing of the source tree is importable as qla.
   rm -rf /tmp/qla_wheel_tests && cp -r tests /tmp/qla_wheel_tests
-  (cd /tmp/qla_wheel_tests && PATH=$user_path "$uv/bin/python" -m pytest ${WHEEL_TESTS:-python/test_cuda_forward.py python/test_cuda_backward.py python/test_training.py} \
+  (cd /tmp/qla_wheel_tests && PATH=$user_path "$uv/bin/python" -m pytest ${WHEEL_TESTS:-python/test_cuda_forward.py python/test_cuda_backward.py python/test_training.py python/test_prepare.py} \
      -q -p no:cacheprovider -rs) 2>&1 | tee "$LOGS/wheel_pytest.log" | tail -n 8
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi

@@ -27,6 +27,9 @@ Status backward(const GdnBackwardParams& p);
 // shared-memory limits set. Optional (forward/backward do what is still missing).
 Status prepare_forward();
 Status prepare_backward();
+// Initialises this library's CUDA runtime (it is linked statically: its own instance, whose
+// first call registers the kernels with the driver) without creating a context.
+Status init_runtime();
 }  // namespace sm90
 
 }  // namespace qla

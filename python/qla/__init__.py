@@ -30,19 +30,36 @@ def prepare_cuda_device() -> None:
     _C.prepare_cuda_device()
 
 
-def _prepare_if_cuda_is_up() -> None:
-    """At import, when torch already holds a CUDA context on its current device (qla imported
-    after a model was loaded, say), do the first call's one-time work now: about 2.5 ms on an
-    H200, which the first call would otherwise spend. Never creates a context (that would take
-    device memory on a GPU the process may not use); QLA_PREPARE_AT_IMPORT=0 turns it off."""
+def _prepare_with_torch() -> None:
+    """The first call's one-time work, done ahead where that is safe. It has two parts (H200,
+    bench/results/h200.md): this library's own CUDA runtime starting (about 1.8 ms: the
+    runtime is linked statically, and its first call registers the kernels with the driver),
+    and each kernel's loading into a context (about 0.2 ms each).
+    - torch already holds a CUDA context on its current device (qla imported after a model was
+      loaded, say): both parts now.
+    - otherwise: the runtime part when torch initialises CUDA (a device-count query, which
+      creates no context). Kernels are never loaded where that would create a context: it
+      would take device memory on a GPU the process may not use (each rank's GPU 0).
+    QLA_PREPARE_AT_IMPORT=0 turns all of it off; qla.prepare_cuda_device() does both parts."""
     if os.environ.get("QLA_PREPARE_AT_IMPORT", "1") == "0" or not has_cuda_backend():
         return
+
+    def quiet(fn):
+        try:
+            fn()
+        except Exception:  # no GPU, or not a Hopper one: the calls themselves say so
+            pass
+
     has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    try:
-        if torch.cuda.is_initialized() and has_context is not None and has_context(torch.cuda.current_device()):
-            _C.prepare_cuda_device()
-    except Exception:  # not a Hopper GPU: the calls themselves say so
-        pass
+    if torch.cuda.is_initialized():
+        if has_context is not None and has_context(torch.cuda.current_device()):
+            quiet(_C.prepare_cuda_device)
+        else:
+            quiet(_C.init_cuda_runtime)
+        return
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)  # runs when torch initialises CUDA
+    if lazy_call is not None:
+        lazy_call(lambda: quiet(_C.init_cuda_runtime))
 
 
-_prepare_if_cuda_is_up()
+_prepare_with_torch()

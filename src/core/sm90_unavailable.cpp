@@ -24,4 +24,5 @@ Status backward_workspace_size(const GdnBackwardParams&, size_t* bytes) {
 Status backward(const GdnBackwardParams&) { return unavailable(); }
 Status prepare_forward() { return unavailable(); }
 Status prepare_backward() { return unavailable(); }
+Status init_runtime() { return unavailable(); }
 }  // namespace qla::sm90

@@ -265,6 +265,12 @@ Status prepare_forward() {
   return s;
 }
 
+Status init_runtime() {
+  int count = 0;  // the runtime's first call; a device count query creates no context
+  QLA_CUDA_TRY(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  return Status::Ok();
+}
+
 Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes) {
   if (!bytes) return Status::Error(StatusCode::kInvalidArgument, "sm90 forward: bytes is null");
   *bytes = ws_layout(p).total;
