@@ -62,6 +62,16 @@ def test_no_preparation_at_all_still_runs():
     _run("import torch\ntorch.zeros(1, device='cuda')\nimport qla\n", {"QLA_PREPARE_AT_IMPORT": "0"})
 
 
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90) GPU")
+def test_cuda_initialisation_with_qla_imported_creates_no_context():
+    # torch.cuda.init() runs qla's hook (its runtime starts); no device may get a context.
+    code = ("import qla, torch\ntorch.cuda.init()\nassert torch.cuda.is_initialized()\n"
+            "live = [d for d in range(torch.cuda.device_count()) if torch._C._cuda_hasPrimaryContext(d)]\n"
+            "assert not live, live\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no GPU is present")
 def test_prepare_cuda_device_without_a_gpu_is_a_clear_error():
     expected = r"no CUDA device" if qla.has_cuda_backend() else r"no CUDA backend"
