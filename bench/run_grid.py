@@ -103,9 +103,13 @@ def run_row(row: grid.Row, backends: List[str], args, peers) -> Dict:
         sets.append(inp)
     torch.cuda.synchronize()
 
+    # ms: device time per call from CUDA-graph replay (the ratios use it); eager_ms: per-launch
+    # events around eager calls, host overhead included; where a backend cannot be captured,
+    # graph_err says why and it has eager_ms only.
     res = {"row": row.name, "kind": row.kind, "label": row.label, "h": row.h, "hv": row.hv,
            "lengths": list(row.lengths), "layout": row.layout, "T": row.T, "N": row.N,
-           "sets": n_sets, "ms": {}, "iters": {}, "err": {}, "check": {}, "notes": {}}
+           "sets": n_sets, "ms": {}, "eager_ms": {}, "iters": {}, "err": {}, "graph_err": {},
+           "check": {}, "notes": {}}
     outs = {}
     for b in backends:
         kw = {}
@@ -130,13 +134,23 @@ def run_row(row: grid.Row, backends: List[str], args, peers) -> Dict:
                                 for t in ops[0].to_common(out0))
             del out0
             t = grid.time_cuda(ops, warmup=args.warmup, iters=args.iters, target_ms=args.target_ms)
-            res["ms"][b] = t.median_ms
+            res["eager_ms"][b] = t.median_ms
             res["iters"][b] = t.iters
             if first_s > 5:
                 print(f"  [{b}] first call took {first_s:.1f} s (compilation)", flush=True)
         except Exception as e:
             res["err"][b] = f"run: {e!r}"[:300]
             torch.cuda.synchronize()
+            del ops
+            continue
+        if not args.no_graph:
+            try:
+                res["ms"][b] = grid.time_graph(ops, per_call_ms=res["eager_ms"][b], target_ms=args.target_ms).median_ms
+            except grid.GraphCaptureError as e:
+                res["graph_err"][b] = str(e)
+                print(f"  [{b}] not capturable in a CUDA graph: {e}", flush=True)
+        else:
+            res["ms"][b] = res["eager_ms"][b]
         del ops
     if args.check and outs:
         ref_name = "qla" if "qla" in outs else next(iter(outs))
@@ -172,9 +186,12 @@ def derive(res: Dict, ceilings: Dict[str, float]) -> Dict:
 
 def print_row(res: Dict, backends: List[str]) -> None:
     parts = [f"{res['row']:<44}", f"floor {res['floor_ms']:.3f}"]
+    eager = res.get("eager_ms", {})
     for b in backends:
         if b in res["ms"]:
-            parts.append(f"{b} {res['ms'][b]:.3f}")
+            parts.append(f"{b} {res['ms'][b]:.3f}" + (f" (eager {eager[b]:.3f})" if b in eager else ""))
+        elif b in eager:
+            parts.append(f"{b} eager {eager[b]:.3f} (no graph)")
         elif b in res["err"]:
             parts.append(f"{b} ({res['err'][b][:40]})")
     for p, r in res["ratio"].items():
@@ -215,7 +232,8 @@ def markdown(meta: Dict, results: List[Dict]) -> str:
         rows = [r for r in results if r["kind"] == kind]
         if not rows:
             continue
-        bks = ["qla"] + [p for p in PEER_ORDER if any(p in r["ms"] or p in r["err"] for r in rows)]
+        bks = ["qla"] + [p for p in PEER_ORDER
+                         if any(p in r["ms"] or p in r["err"] or p in r.get("eager_ms", {}) for r in rows)]
         peers_here = [p for p in bks if p != "qla"]
         has_chk = any(r.get("check") for r in rows)
         lines.append(f"## {title} (ms; ratio = peer time / QLA time, > 1 means QLA is faster)")
@@ -231,6 +249,8 @@ def markdown(meta: Dict, results: List[Dict]) -> str:
             for b in bks:
                 if b in r["ms"]:
                     cells.append(fmt_ms(r["ms"][b]))
+                elif b in r.get("graph_err", {}):
+                    cells.append("no graph")
                 elif b in r["err"]:
                     cells.append("n/a" if r["err"][b] == "unavailable" else "error")
                 else:
@@ -241,6 +261,17 @@ def markdown(meta: Dict, results: List[Dict]) -> str:
             if has_chk:
                 cells.append(", ".join(f"{b} {e:.1e}" for b, e in r.get("check", {}).items()) or "-")
             lines.append("| " + " | ".join(cells) + " |")
+        if any(r.get("eager_ms") for r in rows):
+            lines.append("")
+            lines.append(f"{title}, eager per call (ms; CUDA events around each eager call, host overhead included):")
+            lines.append("")
+            lines.append("| " + " | ".join(["heads (h/hv)", "layout"] + bks) + " |")
+            lines.append("|" + "---|" * (2 + len(bks)))
+            for r in rows:
+                eager = r.get("eager_ms", {})
+                cells = [f"{r['label']} ({r['h']}/{r['hv']})" if r["kind"] == "fwd" else r["label"], r["layout"]]
+                cells += [fmt_ms(eager.get(b)) if b in eager else "-" for b in bks]
+                lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         lines.append(f"Geometric means over {title.lower()} rows where both ran:")
         lines.append("")
@@ -252,6 +283,8 @@ def markdown(meta: Dict, results: List[Dict]) -> str:
         if xs:
             lines.append(f"- qla x floor: {grid.geomean(xs):.3f} ({len(xs)} rows)")
         errs = sorted({f"{b}: {e}" for r in rows for b, e in r["err"].items() if e != "unavailable"})
+        errs += sorted({f"{b} (not capturable in a CUDA graph; eager time only): {e}"
+                        for r in rows for b, e in r.get("graph_err", {}).items()})
         if errs:
             lines.append("")
             lines.append("Errors:")
@@ -314,6 +347,8 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed launches (default: ~--target-ms of GPU time)")
     ap.add_argument("--target-ms", type=float, default=300.0)
     ap.add_argument("--no-rotate", action="store_true", help="one input set per row (inputs may sit in L2)")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="eager timing only (the ratios then come from eager times, host overhead included)")
     ap.add_argument("--bwd-mode", choices=["lowlevel", "autograd"], default="lowlevel")
     ap.add_argument("--check", action="store_true",
                     help="also compare every backend's outputs (set 0) with QLA's: max rel-L2")
@@ -372,9 +407,12 @@ def main(argv=None) -> int:
         "versions": peers.versions(),
         "ceilings": ceilings,
         "commands": [shlex.join(["python3"] + sys.argv)],
-        "timing": (f"CUDA events around each launch, median of the timed launches after the first call "
+        "timing": ((f"device time from CUDA-graph replay (grid.time_graph: one graph of back-to-back calls, "
+                    f"about 20 ms of GPU time, cycling the input sets; per replay / calls; median over replays), "
+                    f"the ratios from it; eager: " if not args.no_graph else "eager only: ") +
+                   f"CUDA events around each launch, median of the timed launches after the first call "
                    f"(JIT/autotune) and {args.warmup} warm-up rounds; input sets rotated when one set is "
-                   f"< 60 MB (x2 L2 in total); no CUDA graphs; forward under no_grad with initial state "
+                   f"< 60 MB (x2 L2 in total); forward under no_grad with initial state "
                    f"and final state; backward: {args.bwd_mode} (FLA guard of issue 640 lifted)"),
         "inputs": (f"q, k l2-normalised randn bf16; v randn bf16; g = logsigmoid(randn)/16 fp32 with g = 0 "
                    f"on 25% of value heads (gate={args.gate}); beta = sigmoid(randn) fp32; h0 randn fp32; "
