@@ -33,6 +33,7 @@
 #include "../backends.h"
 #include "common.cuh"
 #include "prep.cuh"
+#include "inverse.cuh"
 #include "recurrence.cuh"
 #include "host_util.cuh"
 
@@ -66,6 +67,23 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   w.regions = w.ready + up(4 * mc * HV);
   w.total = w.regions + mc * HV * kRegionBytes;
   return w;
+}
+
+// What the chunk-parallel kernels (prep, inverse) take from the call: gates, sequences, heads.
+PrepParams chunk_params(const GdnForwardParams& p, const SeqDesc& sd, int N, const int* table) {
+  PrepParams pp{};
+  pp.g = p.g.data;
+  pp.beta = p.beta.data;
+  for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
+  pp.g_dt = static_cast<int>(p.g.dtype);
+  pp.b_dt = static_cast<int>(p.beta.dtype);
+  pp.sd = sd;
+  pp.N = N;
+  pp.H = static_cast<int>(p.shape.num_qk_heads);
+  pp.HV = static_cast<int>(p.shape.num_v_heads);
+  pp.chunk_off = table;
+  pp.scale = p.scale;
+  return pp;
 }
 
 // The one-time work of a first call, per device and dtype: opt in to more than 48 KiB of
@@ -145,23 +163,13 @@ Status launch(const GdnForwardParams& p) {
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
 
     if (mc > 0) {
-      PrepParams pp{};
+      PrepParams pp = chunk_params(p, sd, N, table);
       pp.tmq = tmq;
       pp.tmk = tmk;
       Status ms = make_tile_map(&pp.tmv, p.v, p.shape.num_v_heads, p.shape);
       if (!ms.ok()) return ms;
-      pp.g = p.g.data; pp.beta = p.beta.data;
-      for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
-      pp.g_dt = static_cast<int>(p.g.dtype);
-      pp.b_dt = static_cast<int>(p.beta.dtype);
-      pp.sd = sd;
-      pp.N = N;
-      pp.H = static_cast<int>(p.shape.num_qk_heads);
-      pp.HV = HV;
-      pp.chunk_off = table;
       pp.regions = ws + wl.regions;
       pp.ready = overlap ? ready : nullptr;
-      pp.scale = p.scale;
       // Persistent: one CTA (two warpgroups) per SM, or per SM the recurrence leaves free.
       const int64_t want = overlap ? dinfo->sms - rec_ctas : dinfo->sms;
       const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, (nregions + 1) / 2)));
@@ -209,6 +217,40 @@ Status launch(const GdnForwardParams& p) {
   return Status::Ok();
 }
 
+#ifdef QLA_SM90_TEST_HOOKS
+// Test builds only: the fused forward's inverse kernel (docs/fused.md v2, step 1) alone, into
+// `regions` (max_chunks x HV x kInvRegionBytes), with the chunk table in p.workspace.
+template <class T>
+Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int N = static_cast<int>(num_seqs(p));
+  const int64_t nregions = max_chunks(p) * p.shape.num_v_heads;
+  if (N == 0) return Status::Ok();
+  DeviceInfo* dinfo = nullptr;
+  Status s = device_info(&dinfo);
+  if (!s.ok()) return s;
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
+               "cudaFuncSetAttribute(gdn_fwd_inverse)");
+  SeqDesc sd;
+  sd.cu = p.cu_seqlens.data;
+  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
+  sd.T = p.shape.seqlen;
+  int* table = static_cast<int*>(p.workspace);
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
+  if (nregions == 0) return Status::Ok();
+  PrepParams pp = chunk_params(p, sd, N, table);
+  s = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (!s.ok()) return s;
+  pp.regions = regions;
+  const unsigned grid = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (nregions + kInvWarpgroups - 1) / kInvWarpgroups)));
+  gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
+  return Status::Ok();
+}
+#endif
+
 }  // namespace
 
 bool compiled() { return true; }
@@ -220,6 +262,13 @@ void set_test_precision(int bits) { g_test_prec = bits; }
 void set_test_stages(int bits) { g_test_stages = bits; }
 void set_test_vt(int vt) { g_test_vt = vt; }
 void set_test_overlap(int on) { g_test_overlap = on; }
+size_t test_inverse_region_bytes() { return kInvRegionBytes; }
+Status test_run_inverse(const GdnForwardParams& p, void* regions) {
+  Status s = check_supported(p);
+  if (!s.ok()) return s;
+  if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions);
+  return launch_inverse_alone<cutlass::half_t>(p, regions);
+}
 #endif
 
 Status check_supported(const GdnForwardParams& p) {

@@ -176,6 +176,106 @@ static_assert(kPrepL + 16384 <= kPrepT, "Tw images overlap Tm");
 //    -> Tm = (I + L)^-1 blockwise on all four warps -> Tu, Tw images -> wgmma w = Tw K,
 //    u = Tu V -> w_hi image and u staged in shared memory and bulk-stored.
 // ---------------------------------------------------------------------------------------------
+// Chunk ci (global index over all sequences' chunks): its batch row b, first token t0 and valid
+// tokens len (<= 64). The sequence is the largest n with off[n] <= ci (skips empty ones).
+template <class Params>
+__device__ __forceinline__ void region_tokens(const Params& p, int ci, int64_t& b, int64_t& t0, int& len) {
+  int lo = 0, hi = p.N - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.chunk_off[mid] <= ci) lo = mid; else hi = mid - 1;
+  }
+  const int n = lo;
+  int64_t slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const int64_t cstart = static_cast<int64_t>(ci - p.chunk_off[n]) * kC;  // within the sequence
+  t0 += cstart;
+  len = static_cast<int>(min<int64_t>(kC, slen - cstart));
+}
+
+// Tm = (I + L)^-1 of a strictly lower triangular fp32 L ([64][kLd] in shared memory) into sT, in
+// 16 x 16 blocks on the four warps of a warpgroup. Phase 1: warp w inverts its diagonal block
+// D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts). Phase 2: warp
+// w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
+// products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
+// sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
+__device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, float* sP, int warp, int lane,
+                                                  int barid) {
+  {
+    const int w = warp, c = lane & 15;
+    float x[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+      const uint32_t Lr = smem_u32(sL + (16 * w + i) * kLd + 16 * w);
+      CUTE_UNROLL
+      for (int j4 = 0; j4 < i / 4; ++j4) {
+        const float4 l = lds128(Lr + 16 * j4);
+        a0 -= l.x * x[4 * j4 + 0];
+        a1 -= l.y * x[4 * j4 + 1];
+        a2 -= l.z * x[4 * j4 + 2];
+        a3 -= l.w * x[4 * j4 + 3];
+      }
+      CUTE_UNROLL
+      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[(16 * w + i) * kLd + 16 * w + j] * x[j];
+      x[i] = (a0 + a1) + (a2 + a3);
+    }
+    if (lane < 16) {
+      CUTE_UNROLL
+      for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
+    }
+  }
+  wg_bar(barid);
+  {
+    const int w = warp, r = lane >> 1, hc = (lane & 1) * 8;
+    for (int a = w + 1; a < 4; ++a) {
+      float acc[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      for (int m = w; m < a; ++m) {
+        const uint32_t Lr = smem_u32(sL + (16 * a + r) * kLd + 16 * m);
+        const uint32_t Tc = smem_u32(sT + (16 * m) * kLd + 16 * w + hc);
+        CUTE_UNROLL
+        for (int k4 = 0; k4 < 4; ++k4) {
+          const float4 l = lds128(Lr + 16 * k4);
+          const float lk[4] = {l.x, l.y, l.z, l.w};
+          CUTE_UNROLL
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t row = Tc + (4 * k4 + kk) * kLd * 4;
+            const float4 t0 = lds128(row), t1 = lds128(row + 16);
+            acc[0] += lk[kk] * t0.x; acc[1] += lk[kk] * t0.y; acc[2] += lk[kk] * t0.z; acc[3] += lk[kk] * t0.w;
+            acc[4] += lk[kk] * t1.x; acc[5] += lk[kk] * t1.y; acc[6] += lk[kk] * t1.z; acc[7] += lk[kk] * t1.w;
+          }
+        }
+      }
+      const uint32_t Pw = smem_u32(sP + r * kPd + hc);
+      sts128f(Pw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Pw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      const uint32_t Dr = smem_u32(sT + (16 * a + r) * kLd + 16 * a);
+      const uint32_t Pc = smem_u32(sP + hc);
+      CUTE_UNROLL
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const float4 d = lds128(Dr + 16 * k4);
+        const float dk[4] = {d.x, d.y, d.z, d.w};
+        CUTE_UNROLL
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t row = Pc + (4 * k4 + kk) * kPd * 4;
+          const float4 t0 = lds128(row), t1 = lds128(row + 16);
+          acc[0] -= dk[kk] * t0.x; acc[1] -= dk[kk] * t0.y; acc[2] -= dk[kk] * t0.z; acc[3] -= dk[kk] * t0.w;
+          acc[4] -= dk[kk] * t1.x; acc[5] -= dk[kk] * t1.y; acc[6] -= dk[kk] * t1.z; acc[7] -= dk[kk] * t1.w;
+        }
+      }
+      const uint32_t Tw = smem_u32(sT + (16 * a + r) * kLd + 16 * w + hc);
+      sts128f(Tw, acc[0], acc[1], acc[2], acc[3]);
+      sts128f(Tw + 16, acc[4], acc[5], acc[6], acc[7]);
+      __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
+    }
+  }
+}
+
 // One region. sm: the warpgroup's shared-memory slice; tid: 0..127; bar: the slice's TMA
 // mbarrier (initialised), used once per region with parity `phase`.
 template <class T>
@@ -192,18 +292,9 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   float* sBw = sBeta + kC;  // beta e^gamma (column scale of Tw)
 
   const int warp = tid >> 5, lane = tid & 31;
-  // Largest n with off[n] <= ci (skips zero-length sequences).
-  int lo = 0, hi = p.N - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.chunk_off[mid] <= ci) lo = mid; else hi = mid - 1;
-  }
-  const int n = lo;
-  int64_t b, t0, slen;
-  seq_bounds(p.sd, n, b, t0, slen);
-  const int64_t cstart = static_cast<int64_t>(ci - p.chunk_off[n]) * kC;  // within the sequence
-  t0 += cstart;
-  const int len = static_cast<int>(min<int64_t>(kC, slen - cstart));
+  int64_t b, t0;
+  int len;
+  region_tokens(p, ci, b, t0, len);
   const int hq = hv / (p.HV / p.H);
 
   // Q, K, V tiles by TMA (two 64-column boxes each = the two K-blocks of the GMMA tile). Rows
@@ -295,85 +386,8 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
     bulk_commit();
   }
 
-  // Tm = (I + L)^-1 in 16 x 16 blocks. Phase 1: warp w inverts its diagonal block
-  // D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts).
-  {
-    const int w = warp, c = lane & 15;
-    float x[16];
-    CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      const uint32_t Lr = smem_u32(sL + (16 * w + i) * kLd + 16 * w);
-      CUTE_UNROLL
-      for (int j4 = 0; j4 < i / 4; ++j4) {
-        const float4 l = lds128(Lr + 16 * j4);
-        a0 -= l.x * x[4 * j4 + 0];
-        a1 -= l.y * x[4 * j4 + 1];
-        a2 -= l.z * x[4 * j4 + 2];
-        a3 -= l.w * x[4 * j4 + 3];
-      }
-      CUTE_UNROLL
-      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[(16 * w + i) * kLd + 16 * w + j] * x[j];
-      x[i] = (a0 + a1) + (a2 + a3);
-    }
-    if (lane < 16) {
-      CUTE_UNROLL
-      for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
-    }
-  }
-  wg_bar(barid);
-  // Phase 2: warp w walks down its block column: Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw.
-  // Lane: row r of the block, columns hc .. hc+7. Only __syncwarp inside (the column is the
-  // warp's own; the diagonal inverses come from phase 1).
-  {
-    const int w = warp, r = lane >> 1, hc = (lane & 1) * 8;
-    float* sP = reinterpret_cast<float*>(sm + kPrepP) + w * 16 * kPd;
-    for (int a = w + 1; a < 4; ++a) {
-      float acc[8];
-      CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-      for (int m = w; m < a; ++m) {
-        const uint32_t Lr = smem_u32(sL + (16 * a + r) * kLd + 16 * m);
-        const uint32_t Tc = smem_u32(sT + (16 * m) * kLd + 16 * w + hc);
-        CUTE_UNROLL
-        for (int k4 = 0; k4 < 4; ++k4) {
-          const float4 l = lds128(Lr + 16 * k4);
-          const float lk[4] = {l.x, l.y, l.z, l.w};
-          CUTE_UNROLL
-          for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t row = Tc + (4 * k4 + kk) * kLd * 4;
-            const float4 t0 = lds128(row), t1 = lds128(row + 16);
-            acc[0] += lk[kk] * t0.x; acc[1] += lk[kk] * t0.y; acc[2] += lk[kk] * t0.z; acc[3] += lk[kk] * t0.w;
-            acc[4] += lk[kk] * t1.x; acc[5] += lk[kk] * t1.y; acc[6] += lk[kk] * t1.z; acc[7] += lk[kk] * t1.w;
-          }
-        }
-      }
-      const uint32_t Pw = smem_u32(sP + r * kPd + hc);
-      sts128f(Pw, acc[0], acc[1], acc[2], acc[3]);
-      sts128f(Pw + 16, acc[4], acc[5], acc[6], acc[7]);
-      __syncwarp();
-      CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-      const uint32_t Dr = smem_u32(sT + (16 * a + r) * kLd + 16 * a);
-      const uint32_t Pc = smem_u32(sP + hc);
-      CUTE_UNROLL
-      for (int k4 = 0; k4 < 4; ++k4) {
-        const float4 d = lds128(Dr + 16 * k4);
-        const float dk[4] = {d.x, d.y, d.z, d.w};
-        CUTE_UNROLL
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint32_t row = Pc + (4 * k4 + kk) * kPd * 4;
-          const float4 t0 = lds128(row), t1 = lds128(row + 16);
-          acc[0] -= dk[kk] * t0.x; acc[1] -= dk[kk] * t0.y; acc[2] -= dk[kk] * t0.z; acc[3] -= dk[kk] * t0.w;
-          acc[4] -= dk[kk] * t1.x; acc[5] -= dk[kk] * t1.y; acc[6] -= dk[kk] * t1.z; acc[7] -= dk[kk] * t1.w;
-        }
-      }
-      const uint32_t Tw = smem_u32(sT + (16 * a + r) * kLd + 16 * w + hc);
-      sts128f(Tw, acc[0], acc[1], acc[2], acc[3]);
-      sts128f(Tw + 16, acc[4], acc[5], acc[6], acc[7]);
-      __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
-    }
-  }
+  // Tm = (I + L)^-1 (blockwise, all four warps).
+  invert_unit_lower(sL, sT, reinterpret_cast<float*>(sm + kPrepP) + warp * 16 * kPd, warp, lane, barid);
   if (tid == 0) bulk_wait_read();  // the A image has left Q's bytes: they take the Tu images
   wg_bar(barid);
 

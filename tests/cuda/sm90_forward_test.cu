@@ -5,7 +5,9 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr [-DQLA_SM90_TEST_HOOKS] \
 //        -Iinclude -I$CUTE src/sm90/gdn_fwd_sm90.cu tests/cuda/sm90_forward_test.cu -o sm90_forward_test
 // (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench] [--prec-sweep]
-// [--profile ROW]. --bench times the grid rows of bench_rows() (inputs made on the device);
+// [--inverse] [--inverse-bench] [--profile ROW]. --inverse (hooks only) checks the fused forward's
+// inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
+// beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
 // with the hooks it also times table + prep alone. --prec-sweep (hooks only) runs every case and
 // row with both recurrence V tiles and two reduced precision settings. --profile runs one
 // forward of a bench row and nothing else (for ncu).
@@ -34,7 +36,10 @@ void set_test_precision(int bits);
 void set_test_stages(int bits);
 void set_test_vt(int vt);
 void set_test_overlap(int on);
+size_t test_inverse_region_bytes();
+qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
+#include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
 #endif
 
 using qla::DType;
@@ -518,12 +523,141 @@ static std::vector<Case> bench_rows() {
   return r;
 }
 
+#ifdef QLA_SM90_TEST_HOOKS
+// The fused forward's inverse kernel (src/sm90/inverse.cuh) alone against an fp64 host reference
+// of its region: Tu = (I + L)^-1 diag(beta) (fp16 image) and the gates; regions poisoned (NaN)
+// first, so every element must be written. With `time_rows`, its time beside table + prep.
+static double region_offset(int i, int j) {
+  static void* base = std::aligned_alloc(1024, 1024);  // offsets only: the swizzle's address bits
+  return qla::sm90::img_off<qla::sm90::Lay<cutlass::half_t>::TokTok_K>(static_cast<cutlass::half_t*>(base), i, j);
+}
+
+static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);
+  const int64_t HV = P.c.HV, H = P.c.H;
+  std::vector<int64_t> off(P.N + 1, 0);
+  for (int64_t n = 0; n < P.N; ++n) off[n + 1] = off[n] + (P.cu[n + 1] - P.cu[n] + 63) / 64;
+  const size_t rb = qla::sm90::test_inverse_region_bytes(), bytes = std::max<int64_t>(off[P.N], 1) * HV * rb;
+  void* dreg = nullptr;
+  CK(cudaMalloc(&dreg, bytes));
+  CK(cudaMemset(dreg, 0xFF, bytes));
+  qla::Status st = qla::sm90::test_run_inverse(D.p, dreg);
+  CK(cudaStreamSynchronize(stream));
+  std::vector<uint8_t> reg(bytes);
+  CK(cudaMemcpy(reg.data(), dreg, bytes, cudaMemcpyDeviceToHost));
+  CK(cudaFree(dreg));
+  double num = 0, den = 0, gnum = 0, gden = 0;
+  bool nan = !st.ok();
+  for (int64_t n = 0; n < P.N; ++n) {
+    for (int64_t ci = off[n]; ci < off[n + 1]; ++ci) {
+      const int64_t t0 = P.cu[n] + (ci - off[n]) * 64, len = std::min<int64_t>(64, P.cu[n + 1] - t0);
+      for (int64_t hv = 0; hv < HV; ++hv) {
+        const int64_t hq = hv / (HV / H);
+        const uint8_t* rg = reg.data() + (ci * HV + hv) * rb;
+        std::vector<double> gam(len), bt(len), Lm(64 * 64, 0.0), Tm(64 * 64, 0.0);
+        double acc = 0;
+        for (int64_t i = 0; i < len; ++i) {
+          acc += P.g[(t0 + i) * HV + hv];
+          gam[i] = acc;
+          bt[i] = P.beta[(t0 + i) * HV + hv];
+        }
+        for (int64_t i = 0; i < len; ++i)
+          for (int64_t j = 0; j < i; ++j) {
+            double kk = 0;
+            for (int d = 0; d < K; ++d) kk += double(P.k[((t0 + i) * H + hq) * K + d]) * P.k[((t0 + j) * H + hq) * K + d];
+            Lm[i * 64 + j] = bt[i] * std::exp(gam[i] - gam[j]) * kk;
+          }
+        for (int64_t j = 0; j < len; ++j) {  // column j of (I + L)^-1 by forward substitution
+          for (int64_t i = j; i < len; ++i) {
+            double x = i == j ? 1.0 : 0.0;
+            for (int64_t m = j; m < i; ++m) x -= Lm[i * 64 + m] * Tm[m * 64 + j];
+            Tm[i * 64 + j] = x;
+          }
+        }
+        const uint16_t* img = reinterpret_cast<const uint16_t*>(rg + qla::sm90::kInvImg);
+        for (int64_t i = 0; i < len; ++i)
+          for (int64_t j = 0; j < len; ++j) {
+            const double ref = Tm[i * 64 + j] * bt[j];
+            const double x = from16(img[int(region_offset(int(i), int(j)))], DType::kFloat16);
+            if (!std::isfinite(x)) nan = true;
+            num += (x - ref) * (x - ref);
+            den += ref * ref;
+          }
+        const float* gf = reinterpret_cast<const float*>(rg + qla::sm90::kInvGam);
+        for (int64_t i = 0; i < len; ++i) {
+          const double refs[3] = {gam[i], std::exp(gam[i]), std::exp(gam[len - 1] - gam[i])};
+          for (int a = 0; a < 3; ++a) {  // kInvGam, kInvEg, kInvEgk: consecutive 64-float rows
+            const double x = gf[a * 64 + i];
+            if (!std::isfinite(x)) nan = true;
+            gnum += (x - refs[a]) * (x - refs[a]);
+            gden += refs[a] * refs[a];
+          }
+        }
+        const double eg = gf[3 * 64], refeg = std::exp(gam[len - 1]);
+        gnum += (eg - refeg) * (eg - refeg);
+        gden += refeg * refeg;
+      }
+    }
+  }
+  const double e = std::sqrt(num / std::max(den, 1e-300)), eg = std::sqrt(gnum / std::max(gden, 1e-300));
+  // fp16 rounding of Tu (2^-11 relative) plus the fp32 inverse; gates in fp32.
+  const bool ok = !nan && e < 1e-3 && eg < 1e-5;
+  std::printf("inverse %-40s Tu rel-L2 %.2e  gates %.2e  %s%s\n", c.name.c_str(), e, eg, nan ? "NaN/unwritten " : "",
+              ok ? "ok" : (st.ok() ? "FAIL" : st.message().c_str()));
+  free_dev(D);
+  return ok;
+}
+
+// Inverse kernel alone against table + prep alone on a bench row (median of 20, microseconds).
+static void bench_inverse(const Case& c, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  Dev D;
+  setup(P, D, stream);
+  bench_inputs(P, D);
+  const int64_t regions = (P.c.T * P.c.B / 64 + P.N) * P.c.HV;
+  void* dreg = nullptr;
+  CK(cudaMalloc(&dreg, regions * qla::sm90::test_inverse_region_bytes()));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  auto median_us = [&](auto&& run) {
+    for (int i = 0; i < 3; ++i) run();
+    std::vector<float> ts;
+    for (int r = 0; r < 20; ++r) {
+      CK(cudaEventRecord(a, stream));
+      run();
+      CK(cudaEventRecord(b, stream));
+      CK(cudaEventSynchronize(b));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      ts.push_back(ms);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2] * 1e3;
+  };
+  const double tinv = median_us([&] { (void)qla::sm90::test_run_inverse(D.p, dreg); });
+  qla::sm90::set_test_stages(1);
+  const double tprep = median_us([&] { (void)qla::sm90::forward(D.p); });
+  qla::sm90::set_test_stages(3);
+  std::printf("bench-inverse %-28s regions %lld: inverse %7.1f us, table + prep %7.1f us\n", c.name.c_str(),
+              (long long)regions, tinv, tprep);
+  CK(cudaFree(dreg));
+  free_dev(D);
+}
+#endif
+
 int main(int argc, char** argv) {
-  bool do_bench = false, do_sweep = false;
+  bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
     if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
+    if (std::string(argv[i]) == "--inverse") do_inverse = true;
+    if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
   }
   int ndev = 0;
@@ -579,6 +713,11 @@ int main(int argc, char** argv) {
     for (const Case& c : bench_rows()) bench(c, stream);
 
 #ifdef QLA_SM90_TEST_HOOKS
+  if (do_inverse) {
+    for (size_t i = 0; i < cases.size(); ++i) ok = check_inverse(cases[i], 4321 + i, stream) && ok;
+    if (do_inverse_bench)
+      for (const Case& c : bench_rows()) bench_inverse(c, stream);
+  }
   if (do_sweep) {
     // Both recurrence V tiles on every case and bench row (the automatic choice takes 32 when
     // sequences x heads x 4 fit on the SMs), then precision bits of gdn_recur (2 S_lo,
@@ -615,7 +754,7 @@ int main(int argc, char** argv) {
     for (auto& l : lines) std::printf("%s\n", l.c_str());
   }
 #else
-  if (do_sweep) std::printf("--prec-sweep needs a build with -DQLA_SM90_TEST_HOOKS\n");
+  if (do_sweep || do_inverse) std::printf("--prec-sweep and --inverse(-bench) need a build with -DQLA_SM90_TEST_HOOKS\n");
 #endif
   CK(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");

@@ -1,0 +1,169 @@
+// The fused forward's kernel 1 of 2 (docs/fused.md v2, step 1): the chunk-parallel inverse.
+// Per (chunk, value head) region it stores what the fused recurrence needs besides q, k, v:
+// Tu = (I + L)^-1 diag(beta) as an fp16 image and the chunk's gates. 9 KiB per region against
+// the prep's 65 KiB. Not yet used by the forward's launch path (the fused recurrence, step 2,
+// reads it); reached through a test hook.
+#pragma once
+
+#include "prep.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+// Inverse region (bytes from the region start; regions of kInvRegionBytes, (chunk, value head)
+// order like the prep's):
+//   kInvImg   Tu fp16, Lay<half_t>::TokTok_K image (the swizzled offsets of img_off), 8 KiB;
+//             columns past the sequence end are 0 (beta = 0 there)
+//   kInvGam   gamma_i = g_0 + .. + g_i, fp32 x 64 (padding tokens repeat the last value)
+//   kInvEg    e^gamma_i, fp32 x 64 (0 on padding)
+//   kInvEgk   e^(Gamma - gamma_i), fp32 x 64 (0 on padding)
+//   kInvEG    e^Gamma, fp32
+constexpr uint32_t kInvImg = 0;
+constexpr uint32_t kInvGam = kImgTokTok * 2;
+constexpr uint32_t kInvEg = kInvGam + kC * 4;
+constexpr uint32_t kInvEgk = kInvEg + kC * 4;
+constexpr uint32_t kInvEG = kInvEgk + kC * 4;
+constexpr size_t kInvRegionBytes = 9216;
+static_assert(kInvEG + 16 <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
+
+// Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): the K tile (TMA),
+// then the Tu image in its bytes; L and Tm fp32 [64][kLd]; the per-warp 16 x 16 scratch of the
+// inverse; gamma, beta; the TMA mbarrier.
+constexpr uint32_t kInvK = 0, kInvL = 16384;
+constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
+constexpr uint32_t kInvP = kInvT + kC * kLd * 4;
+constexpr uint32_t kInvMisc = kInvP + 4 * 16 * kPd * 4;
+constexpr uint32_t kInvWGBytes = (kInvMisc + 2 * kC * 4 + 16 + 1023) & ~1023u;
+constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarrier)
+constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
+static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
+
+template <class T>
+__device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, int tid, int barid, uint64_t* bar,
+                                               uint32_t phase, int ci, int hv) {
+  using L = Lay<T>;
+  using H = Lay<cutlass::half_t>;
+  T* sK = reinterpret_cast<T*>(sm + kInvK);
+  float* sL = reinterpret_cast<float*>(sm + kInvL);
+  float* sT = reinterpret_cast<float*>(sm + kInvT);
+  float* sGam = reinterpret_cast<float*>(sm + kInvMisc);
+  float* sBeta = sGam + kC;
+  const int warp = tid >> 5, lane = tid & 31;
+  int64_t b, t0;
+  int len;
+  region_tokens(p, ci, b, t0, len);
+  const int hq = hv / (p.HV / p.H);
+
+  if (tid == 0) {  // the K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0)
+    mbar_expect_tx(bar, kQKBytes);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h)
+      tma_load_4d(sm + kInvK + h * kQKBytes / 2, &p.tmk, h * 64, hq, static_cast<int>(t0), static_cast<int>(b), bar);
+  }
+  if (tid < kC) load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
+  wg_bar(barid);
+  if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
+  wg_bar(barid);
+  const float gam_last = sGam[len - 1];
+
+  uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kInvRegionBytes;
+  if (tid < kC) {  // the gates, fp32 (coalesced)
+    const bool ok = tid < len;
+    reinterpret_cast<float*>(regb + kInvGam)[tid] = sGam[tid];
+    reinterpret_cast<float*>(regb + kInvEg)[tid] = ok ? expf(sGam[tid]) : 0.f;
+    reinterpret_cast<float*>(regb + kInvEgk)[tid] = ok ? expf(gam_last - sGam[tid]) : 0.f;
+  } else if (tid == kC) {
+    reinterpret_cast<float*>(regb + kInvEG)[0] = expf(gam_last);
+  }
+
+  Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
+  mbar_wait(bar, phase);
+  auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto thr = mma.get_thread_slice(tid);
+  Tensor rKa = thr.partition_fragment_A(tK);
+  Tensor rKb = thr.partition_fragment_B(tK);
+  Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  gemm_k(mma, rKa, rKb, acc, GMMA::ScaleOut::Zero);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+
+  // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
+  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(cc(i)), c = get<1>(cc(i));
+    const float gr = sGam[r], br = sBeta[r];
+    const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+    const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
+    *reinterpret_cast<float2*>(sL + r * kLd + c) =
+        make_float2(r > c ? br * x0 * acc(i) : 0.f, r > c + 1 ? br * x1 * acc(i + 1) : 0.f);
+  }
+  wg_bar(barid);  // L complete; every warp's K K^T has retired, so K's bytes are free
+  invert_unit_lower(sL, sT, reinterpret_cast<float*>(sm + kInvP) + warp * 16 * kPd, warp, lane, barid);
+  wg_bar(barid);
+
+  // Tu = Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs of 8 columns; the
+  // blocks above the diagonal are zero.
+  cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sK);
+  Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
+  CUTE_UNROLL
+  for (int it = 0; it < 4; ++it) {
+    const int q = tid + 128 * it, i = q >> 3, j8 = (q & 7) * 8;
+    float t[8];
+    if ((i >> 4) >= (j8 >> 4)) {
+      const float4 t0v = lds128(smem_u32(sT + i * kLd + j8)), t1v = lds128(smem_u32(sT + i * kLd + j8 + 4));
+      t[0] = t0v.x; t[1] = t0v.y; t[2] = t0v.z; t[3] = t0v.w; t[4] = t1v.x; t[5] = t1v.y; t[6] = t1v.z; t[7] = t1v.w;
+    } else {
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) t[e] = 0.f;
+    }
+    uint4 u;
+    uint32_t* pu = &u.x;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; e += 2) pu[e / 2] = pack2<cutlass::half_t>(t[e] * sBeta[j8 + e], t[e + 1] * sBeta[j8 + e + 1]);
+    sts128(smem_u32(sImg + static_cast<int>(&tImg(i, j8) - sImg)), u);
+  }
+  fence_async_smem();
+  wg_bar(barid);
+  if (tid == 0) {
+    bulk_s2g(regb + kInvImg, sImg, kImgTokTok * 2);
+    bulk_commit();
+    if (p.ready) {  // a dependent kernel polls the flag: the image must be in global memory first
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      st_release(p.ready + static_cast<size_t>(ci) * p.HV + hv, 1);
+    } else {
+      bulk_wait_read();  // the next region's TMA load overwrites these bytes
+    }
+  }
+}
+
+// Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the regions
+// chunk-major (all heads of chunk 0 first).
+template <class T>
+__global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  uint8_t* sm = base + wg * kInvWGBytes;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  wg_bar(1 + wg);
+  const int nreg = p.chunk_off[p.N] * p.HV;
+  uint32_t phase = 0;
+  for (int r = blockIdx.x * kInvWarpgroups + wg; r < nreg; r += gridDim.x * kInvWarpgroups, phase ^= 1)
+    inverse_region<T>(p, sm, tid, 1 + wg, bar, phase, r / p.HV, r % p.HV);
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
