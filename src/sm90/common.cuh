@@ -195,26 +195,36 @@ __device__ __forceinline__ float load_f(const void* p, int dt, int64_t i) {
   return float(static_cast<const cutlass::half_t*>(p)[i]);
 }
 
-// Gates of token tid (< kC) of a chunk starting at token t0 of batch row b: beta, and g summed
-// over the tokens 0..tid of the thread's warp (inclusive warp scan; the caller adds warp 0's
-// total to warp 1). Tokens past len (the sequence end) have g = beta = 0.
+// Gates of token tid (< kC) of a chunk starting at token t0 of batch row b: g and beta (0 past
+// len, the sequence end).
+template <class Params>
+__device__ __forceinline__ void load_gates(const Params& p, int tid, int len, int64_t b, int64_t t0, int hv,
+                                           float& g, float& beta) {
+  g = beta = 0.f;
+  if (tid < len) {
+    const int64_t t = t0 + tid;
+    g = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
+    beta = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
+  }
+}
+// Inclusive sum over the lanes of a warp (lane i: x_0 + .. + x_i).
+__device__ __forceinline__ float warp_inclusive_sum(float x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+// load_gates, then g summed over the tokens 0..tid of the thread's warp (the caller adds warp
+// 0's total to warp 1).
 template <class Params>
 __device__ __forceinline__ void load_gates_scan(const Params& p, int tid, int len, int64_t b, int64_t t0, int hv,
                                                 float& gam, float& beta) {
-  float gv = 0.f, bv = 0.f;
-  if (tid < len) {
-    const int64_t t = t0 + tid;
-    gv = load_f(p.g, p.g_dt, b * p.sg[0] + t * p.sg[1] + hv);
-    bv = load_f(p.beta, p.b_dt, b * p.sb[0] + t * p.sb[1] + hv);
-  }
-  const int lane = tid & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_up_sync(0xffffffffu, gv, o);
-    if (lane >= o) gv += y;
-  }
-  gam = gv;
-  beta = bv;
+  float gv;
+  load_gates(p, tid, len, b, t0, hv, gv, beta);
+  gam = warp_inclusive_sum(gv);
 }
 
 // Sequences: varlen (cu_seqlens on device, B == 1) or B rows of length T.

@@ -220,6 +220,8 @@ Status launch(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
 // Test builds only: the fused forward's inverse kernel (docs/fused.md v2, step 1) alone, into
 // `regions` (max_chunks x HV x kInvRegionBytes), with the chunk table in p.workspace.
+int g_test_inverse_skip = 0;  // test builds only: PrepParams::skip of the inverse kernel
+
 template <class T>
 Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -243,6 +245,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   s = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (!s.ok()) return s;
   pp.regions = regions;
+  pp.skip = g_test_inverse_skip;
   const unsigned grid = static_cast<unsigned>(
       std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (nregions + kInvWarpgroups - 1) / kInvWarpgroups)));
   gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
@@ -263,6 +266,7 @@ void set_test_stages(int bits) { g_test_stages = bits; }
 void set_test_vt(int vt) { g_test_vt = vt; }
 void set_test_overlap(int on) { g_test_overlap = on; }
 size_t test_inverse_region_bytes() { return kInvRegionBytes; }
+void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

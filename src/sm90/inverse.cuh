@@ -27,47 +27,69 @@ constexpr uint32_t kInvEG = kInvEgk + kC * 4;
 constexpr size_t kInvRegionBytes = 9216;
 static_assert(kInvEG + 16 <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
 
-// Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): the K tile (TMA),
-// then the Tu image in its bytes; L and Tm fp32 [64][kLd]; the per-warp 16 x 16 scratch of the
-// inverse; gamma, beta; the TMA mbarrier.
-constexpr uint32_t kInvK = 0, kInvL = 16384;
+// Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): two K stages
+// (TMA; the next region's tile lands while this one is inverted; a stage's bytes then take its
+// Tu image); L and Tm fp32 [64][kLd]; the per-warp 16 x 16 scratch of the inverse; gamma,
+// beta; one TMA mbarrier per stage.
+constexpr uint32_t kInvK = 0, kInvL = 2 * 16384;
 constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
 constexpr uint32_t kInvP = kInvT + kC * kLd * 4;
 constexpr uint32_t kInvMisc = kInvP + 4 * 16 * kPd * 4;
 constexpr uint32_t kInvWGBytes = (kInvMisc + 2 * kC * 4 + 16 + 1023) & ~1023u;
-constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarrier)
+constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarriers)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
 static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
 
+// A region's place, found when its loads are issued and kept for its compute: the chunk's
+// tokens, and this thread's token's g and beta (tid < 64), whose loads are then in flight
+// during the previous region's inverse.
+struct InvRegion {
+  int64_t b, t0;
+  int len, ci, hv;
+  float g, beta;
+};
+
+__device__ __forceinline__ InvRegion inverse_issue(const PrepParams& p, uint8_t* sK, uint64_t* bar, int tid, int r) {
+  InvRegion q;
+  q.ci = r / p.HV;
+  q.hv = r % p.HV;
+  region_tokens(p, q.ci, q.b, q.t0, q.len);
+  if (tid == 0) {  // the K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0)
+    const int hq = q.hv / (p.HV / p.H);
+    mbar_expect_tx(bar, kQKBytes);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h)
+      tma_load_4d(sK + h * kQKBytes / 2, &p.tmk, h * 64, hq, static_cast<int>(q.t0), static_cast<int>(q.b), bar);
+  }
+  q.g = q.beta = 0.f;
+  if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
+  return q;
+}
+
+// One region, its loads issued earlier (inverse_issue) into the stage sK / bar.
 template <class T>
-__device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, int tid, int barid, uint64_t* bar,
-                                               uint32_t phase, int ci, int hv) {
+__device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, uint8_t* sKb, int tid, int barid,
+                                               uint64_t* bar, uint32_t phase, const InvRegion& q) {
   using L = Lay<T>;
   using H = Lay<cutlass::half_t>;
-  T* sK = reinterpret_cast<T*>(sm + kInvK);
+  T* sK = reinterpret_cast<T*>(sKb);
   float* sL = reinterpret_cast<float*>(sm + kInvL);
   float* sT = reinterpret_cast<float*>(sm + kInvT);
   float* sGam = reinterpret_cast<float*>(sm + kInvMisc);
   float* sBeta = sGam + kC;
   const int warp = tid >> 5, lane = tid & 31;
-  int64_t b, t0;
-  int len;
-  region_tokens(p, ci, b, t0, len);
-  const int hq = hv / (p.HV / p.H);
+  const int len = q.len;
 
-  if (tid == 0) {  // the K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0)
-    mbar_expect_tx(bar, kQKBytes);
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h)
-      tma_load_4d(sm + kInvK + h * kQKBytes / 2, &p.tmk, h * 64, hq, static_cast<int>(t0), static_cast<int>(b), bar);
+  if (tid < kC) {
+    sGam[tid] = warp_inclusive_sum(q.g);
+    sBeta[tid] = q.beta;
   }
-  if (tid < kC) load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
   wg_bar(barid);
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
   wg_bar(barid);
   const float gam_last = sGam[len - 1];
 
-  uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kInvRegionBytes;
+  uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(q.ci) * p.HV + q.hv) * kInvRegionBytes;
   if (tid < kC) {  // the gates, fp32 (coalesced)
     const bool ok = tid < len;
     reinterpret_cast<float*>(regb + kInvGam)[tid] = sGam[tid];
@@ -79,32 +101,42 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
 
   Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
   mbar_wait(bar, phase);
-  auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
-  auto thr = mma.get_thread_slice(tid);
-  Tensor rKa = thr.partition_fragment_A(tK);
-  Tensor rKb = thr.partition_fragment_B(tK);
-  Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  gemm_k(mma, rKa, rKb, acc, GMMA::ScaleOut::Zero);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  if (!(p.skip & 4)) {
+    auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto thr = mma.get_thread_slice(tid);
+    Tensor rKa = thr.partition_fragment_A(tK);
+    Tensor rKb = thr.partition_fragment_B(tK);
+    Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm_k(mma, rKa, rKb, acc, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
 
-  // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
-  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(cc(i)), c = get<1>(cc(i));
-    const float gr = sGam[r], br = sBeta[r];
-    const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
-    const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
-    *reinterpret_cast<float2*>(sL + r * kLd + c) =
-        make_float2(r > c ? br * x0 * acc(i) : 0.f, r > c + 1 ? br * x1 * acc(i + 1) : 0.f);
+    // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
+    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int r = get<0>(cc(i)), c = get<1>(cc(i));
+      const float gr = sGam[r], br = sBeta[r];
+      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+      const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
+      *reinterpret_cast<float2*>(sL + r * kLd + c) =
+          make_float2(r > c ? br * x0 * acc(i) : 0.f, r > c + 1 ? br * x1 * acc(i + 1) : 0.f);
+    }
   }
   wg_bar(barid);  // L complete; every warp's K K^T has retired, so K's bytes are free
-  invert_unit_lower(sL, sT, reinterpret_cast<float*>(sm + kInvP) + warp * 16 * kPd, warp, lane, barid);
+  if (!(p.skip & 2)) {
+    invert_diagonal_blocks(sL, sT, warp, lane);
+    wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
+    if (!(p.skip & 1)) invert_block_columns(sL, sT, reinterpret_cast<float*>(sm + kInvP) + warp * 16 * kPd, warp, lane);
+  }
   wg_bar(barid);
+  if (p.skip & 8) {
+    if (tid == 0) bulk_wait_read();
+    return;
+  }
 
   // Tu = Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs of 8 columns; the
   // blocks above the diagonal are zero.
@@ -112,7 +144,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
   CUTE_UNROLL
   for (int it = 0; it < 4; ++it) {
-    const int q = tid + 128 * it, i = q >> 3, j8 = (q & 7) * 8;
+    const int run = tid + 128 * it, i = run >> 3, j8 = (run & 7) * 8;
     float t[8];
     if ((i >> 4) >= (j8 >> 4)) {
       const float4 t0v = lds128(smem_u32(sT + i * kLd + j8)), t1v = lds128(smem_u32(sT + i * kLd + j8 + 4));
@@ -135,15 +167,16 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     if (p.ready) {  // a dependent kernel polls the flag: the image must be in global memory first
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
-      st_release(p.ready + static_cast<size_t>(ci) * p.HV + hv, 1);
+      st_release(p.ready + static_cast<size_t>(q.ci) * p.HV + q.hv, 1);
     } else {
-      bulk_wait_read();  // the next region's TMA load overwrites these bytes
+      bulk_wait_read();  // the stage takes the tile of the region after next
     }
   }
 }
 
 // Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the regions
-// chunk-major (all heads of chunk 0 first).
+// chunk-major (all heads of chunk 0 first), each issuing the next region's loads before it
+// computes the current one.
 template <class T>
 __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -152,16 +185,26 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   uint8_t* sm = base + wg * kInvWGBytes;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);  // bar[0], bar[1]: the stages
   if (tid == 0) {
     mbar_init(bar, 1);
+    mbar_init(bar + 1, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   wg_bar(1 + wg);
   const int nreg = p.chunk_off[p.N] * p.HV;
-  uint32_t phase = 0;
-  for (int r = blockIdx.x * kInvWarpgroups + wg; r < nreg; r += gridDim.x * kInvWarpgroups, phase ^= 1)
-    inverse_region<T>(p, sm, tid, 1 + wg, bar, phase, r / p.HV, r % p.HV);
+  const int stride = gridDim.x * kInvWarpgroups;
+  int r = blockIdx.x * kInvWarpgroups + wg;
+  InvRegion cur{};
+  if (r < nreg) cur = inverse_issue(p, sm + kInvK, bar, tid, r);
+  for (int k = 0; r < nreg; r += stride, ++k) {
+    const int s = k & 1;
+    InvRegion next{};
+    // Stage s ^ 1 last held region k - 1's image, whose store has been read (inverse_region's end).
+    if (r + stride < nreg) next = inverse_issue(p, sm + kInvK + (s ^ 1) * 16384, bar + (s ^ 1), tid, r + stride);
+    inverse_region<T>(p, sm, sm + kInvK + s * 16384, tid, 1 + wg, bar + s, (k >> 1) & 1, cur);
+    cur = next;
+  }
 }
 
 }  // namespace

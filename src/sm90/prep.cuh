@@ -149,6 +149,7 @@ struct PrepParams {
   int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
   void* tm;       // backward: Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; else null
   float scale;
+  int skip;       // the inverse kernel's test hook only (0 otherwise): stages left out, to time the others
 };
 
 // Shared memory of one gdn_prep warpgroup (byte offsets from the 1 KiB aligned base). Buffers are reused once
@@ -199,8 +200,7 @@ __device__ __forceinline__ void region_tokens(const Params& p, int ci, int64_t& 
 // w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
 // products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
 // sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
-__device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, float* sP, int warp, int lane,
-                                                  int barid) {
+__device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sT, int warp, int lane) {
   {
     const int w = warp, c = lane & 15;
     float x[16];
@@ -225,7 +225,8 @@ __device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, fl
       for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
     }
   }
-  wg_bar(barid);
+}
+__device__ __forceinline__ void invert_block_columns(const float* sL, float* sT, float* sP, int warp, int lane) {
   {
     const int w = warp, r = lane >> 1, hc = (lane & 1) * 8;
     for (int a = w + 1; a < 4; ++a) {
@@ -274,6 +275,12 @@ __device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, fl
       __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
     }
   }
+}
+__device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, float* sP, int warp, int lane,
+                                                  int barid) {
+  invert_diagonal_blocks(sL, sT, warp, lane);
+  wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
+  invert_block_columns(sL, sT, sP, warp, lane);
 }
 
 // One region. sm: the warpgroup's shared-memory slice; tid: 0..127; bar: the slice's TMA

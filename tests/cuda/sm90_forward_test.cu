@@ -37,6 +37,7 @@ void set_test_stages(int bits);
 void set_test_vt(int vt);
 void set_test_overlap(int on);
 size_t test_inverse_region_bytes();
+void set_test_inverse_skip(int bits);
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
@@ -640,11 +641,21 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
     return ts[ts.size() / 2] * 1e3;
   };
   const double tinv = median_us([&] { (void)qla::sm90::test_run_inverse(D.p, dreg); });
+  // Stages left out (timing by difference): phase 2, the whole inverse, then K K^T and L too,
+  // then the image and its store too (loads, gates and the gate stores alone).
+  double tskip[4];
+  const int bits[4] = {1, 2, 2 | 4, 2 | 4 | 8};
+  for (int i = 0; i < 4; ++i) {
+    qla::sm90::set_test_inverse_skip(bits[i]);
+    tskip[i] = median_us([&] { (void)qla::sm90::test_run_inverse(D.p, dreg); });
+  }
+  qla::sm90::set_test_inverse_skip(0);
   qla::sm90::set_test_stages(1);
   const double tprep = median_us([&] { (void)qla::sm90::forward(D.p); });
   qla::sm90::set_test_stages(3);
-  std::printf("bench-inverse %-28s regions %lld: inverse %7.1f us, table + prep %7.1f us\n", c.name.c_str(),
-              (long long)regions, tinv, tprep);
+  std::printf("bench-inverse %-28s regions %lld: inverse %7.1f us (without phase 2 %7.1f, without the inverse %7.1f, "
+              "also without K K^T %7.1f, loads and gates only %7.1f), table + prep %7.1f us\n", c.name.c_str(),
+              (long long)regions, tinv, tskip[0], tskip[1], tskip[2], tskip[3], tprep);
   CK(cudaFree(dreg));
   free_dev(D);
 }
