@@ -4,7 +4,7 @@ accumulation, o rounded to the input dtype at the end; errors are relative L2 ag
 exact recurrence in fp64 (the CPU backend on fp64 inputs). It answers, before any kernel is
 written, which operands need more than one 16-bit pass to meet the 3e-3 bound.
 
-    python3 bench/precision_model.py [--T 4096] [--long 65536] [--schemes all]
+    python3 bench/precision_model.py [--T 4096] [--long 65536] [--schemes all] [--inverse]
 
 Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last, S the entering d x v state):
     Tu = (I + L)^-1 diag(beta),  L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j  (i > j, fp32)
@@ -102,6 +102,65 @@ def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
     return o.to(out_dtype).float(), S
 
 
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to tf32 (10 mantissa bits, round to nearest even on the 13 dropped bits)."""
+    i = x.float().contiguous().view(torch.int32)
+    i = (i + 0x0FFF + ((i >> 13) & 1)) & ~0x1FFF
+    return i.view(torch.float32)
+
+
+def inverse_blockwise(L: torch.Tensor, products: str) -> torch.Tensor:
+    """(I + L)^-1 of strictly lower [.., 64, 64] L as the kernels compute it: the 16 x 16
+    diagonal blocks by substitution in fp32, then each block column walked down,
+    Tm_aw = -D_a^-1 sum_m L_am Tm_mw, with the block products' operands rounded as `products`
+    says ("fp32": the FMA path of today's kernels; "tf32": mma.sync tf32)."""
+    r = {"fp32": lambda x: x, "tf32": _tf32}[products]
+    n = L.shape[-1]
+    eye = torch.eye(16)
+    T = torch.zeros_like(L)
+    D = []
+    for a in range(n // 16):
+        blk = L[..., 16 * a:16 * a + 16, 16 * a:16 * a + 16]
+        Da = torch.linalg.solve_triangular(eye + blk, eye.expand_as(blk), upper=False, unitriangular=True)
+        D.append(Da)
+        T[..., 16 * a:16 * a + 16, 16 * a:16 * a + 16] = Da
+    for w in range(n // 16):
+        for a in range(w + 1, n // 16):
+            acc = torch.zeros_like(D[0])
+            for m in range(w, a):
+                acc = acc + r(L[..., 16 * a:16 * a + 16, 16 * m:16 * m + 16]) @ r(T[..., 16 * m:16 * m + 16, 16 * w:16 * w + 16])
+            T[..., 16 * a:16 * a + 16, 16 * w:16 * w + 16] = -(r(D[a]) @ r(acc))
+    return T
+
+
+def inverse_study(cases) -> None:
+    """Tu = (I + L)^-1 diag(beta) of every chunk of the cases, against fp64: the fp32 block
+    products of today's kernels and tf32 ones (a tensor-core phase 2), each before and after
+    the fp16 rounding of the image K2 reads."""
+    print("| chunk inverse | " + " | ".join(c[0] for c in cases) + " |")
+    print("|---|" + "---|" * len(cases))
+    rows = {k: [] for k in ("fp32 block products", "tf32 block products",
+                            "fp32 block products, fp16 image", "tf32 block products, fp16 image")}
+    for label, T, gate, seed in cases:
+        q, k, v, g, beta, h0 = make_case(min(T, 4096), 2, gate, seed)
+        n = (k.shape[0] // 64) * 64
+        K = k[:n].float().reshape(-1, 64, 2, k.shape[-1]).transpose(1, 2)        # [chunks, HV, 64, d]
+        gam = g[:n].float().reshape(-1, 64, 2).transpose(1, 2).cumsum(-1)        # [chunks, HV, 64]
+        b = beta[:n].float().reshape(-1, 64, 2).transpose(1, 2)
+        diff = gam[..., :, None] - gam[..., None, :]
+        lower = torch.tril(torch.ones(64, 64, dtype=torch.bool), -1)
+        L = torch.where(lower, b[..., :, None] * diff.clamp(max=0).exp() * (K @ K.transpose(-1, -2)), torch.zeros(()))
+        exact = torch.linalg.solve_triangular(torch.eye(64, dtype=torch.float64) + L.double(),
+                                              torch.eye(64, dtype=torch.float64).expand(L.shape), upper=False,
+                                              unitriangular=True) * b.double()[..., None, :]
+        for name, prod in (("fp32", "fp32"), ("tf32", "tf32")):
+            Tu = inverse_blockwise(L, prod) * b[..., None, :]
+            rows[f"{name} block products"].append(rel(Tu, exact))
+            rows[f"{name} block products, fp16 image"].append(rel(Tu.half().float(), exact))
+    for name, errs in rows.items():
+        print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
+
+
 def make_case(T, HV, gate, seed, d=128, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(T, HV, d, generator=gen), dim=-1).to(dtype)
@@ -139,12 +198,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4, help="value heads per case")
     ap.add_argument("--long", type=int, default=65536, help="T of the g = 0 long case (0: skip)")
     ap.add_argument("--schemes", default="all", help="'all' or comma-separated indices into SCHEMES")
+    ap.add_argument("--inverse", action="store_true", help="only the chunk inverse study (fp32 vs tf32 products)")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     names = list(SCHEMES)
     if args.schemes != "all":
         names = [names[int(i)] for i in args.schemes.split(",")]
     cases = [(f"{gate} T={args.T}", args.T, gate, seed) for seed, gate in enumerate(("standard", "strong", "zero"))]
+    if args.inverse:
+        inverse_study(cases)
+        return 0
     if args.long:
         cases.append((f"zero T={args.long}", args.long, "zero", 7))
     refs = {}
