@@ -135,10 +135,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
   if (ms.ok()) ms = make_tile_map(&tmdo32, p.d_o, HV, p.shape, 32);
   if (!ms.ok()) return ms;
 
-  SeqDesc sd;
-  sd.cu = p.cu_seqlens.data;
-  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
-  sd.T = p.shape.seqlen;
+  const SeqDesc sd = seq_desc(p);
   int* table = reinterpret_cast<int*>(ws);
   const int64_t nregions = mc * HV;
 
@@ -146,23 +143,12 @@ Status bwd_launch(const GdnBackwardParams& p) {
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
 
   if (mc > 0) {  // 2. prep with Tm
-    PrepParams pp{};
+    PrepParams pp = chunk_params(p, sd, N, table);
     pp.tmq = tmq;
     pp.tmk = tmk;
     pp.tmv = tmv;
-    pp.g = p.g.data;
-    pp.beta = p.beta.data;
-    for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
-    pp.g_dt = static_cast<int>(p.g.dtype);
-    pp.b_dt = static_cast<int>(p.beta.dtype);
-    pp.sd = sd;
-    pp.N = N;
-    pp.H = H;
-    pp.HV = HV;
-    pp.chunk_off = table;
     pp.regions = ws + wl.regions;
     pp.tm = ws + wl.tm;
-    pp.scale = static_cast<float>(p.scale);
     const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (nregions + 1) / 2)));
     gdn_prep<T><<<grid, 256, kPrepSmem, stream>>>(pp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_prep");

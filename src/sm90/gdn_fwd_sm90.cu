@@ -69,23 +69,6 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   return w;
 }
 
-// What the chunk-parallel kernels (prep, inverse) take from the call: gates, sequences, heads.
-PrepParams chunk_params(const GdnForwardParams& p, const SeqDesc& sd, int N, const int* table) {
-  PrepParams pp{};
-  pp.g = p.g.data;
-  pp.beta = p.beta.data;
-  for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
-  pp.g_dt = static_cast<int>(p.g.dtype);
-  pp.b_dt = static_cast<int>(p.beta.dtype);
-  pp.sd = sd;
-  pp.N = N;
-  pp.H = static_cast<int>(p.shape.num_qk_heads);
-  pp.HV = static_cast<int>(p.shape.num_v_heads);
-  pp.chunk_off = table;
-  pp.scale = p.scale;
-  return pp;
-}
-
 // The one-time work of a first call, per device and dtype: opt in to more than 48 KiB of
 // shared memory, which also loads each kernel (with lazy module loading, a kernel's first
 // attribute call or launch loads it; gdn_chunk_table needs no opt-in and is loaded by a query).
@@ -126,10 +109,7 @@ Status launch(const GdnForwardParams& p) {
   if (ms.ok()) ms = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (!ms.ok()) return ms;
 
-  SeqDesc sd;
-  sd.cu = p.cu_seqlens.data;
-  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
-  sd.T = p.shape.seqlen;
+  const SeqDesc sd = seq_desc(p);
   int* table = reinterpret_cast<int*>(ws + wl.table);
 
   int stages = 3;
@@ -233,10 +213,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   if (!s.ok()) return s;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
-  SeqDesc sd;
-  sd.cu = p.cu_seqlens.data;
-  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
-  sd.T = p.shape.seqlen;
+  const SeqDesc sd = seq_desc(p);
   int* table = static_cast<int*>(p.workspace);
   gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");

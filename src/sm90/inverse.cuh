@@ -138,21 +138,14 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     return;
   }
 
-  // Tu = Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs of 8 columns; the
-  // blocks above the diagonal are zero.
+  // Tu = Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs of 8 columns.
   cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sK);
   Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
   CUTE_UNROLL
   for (int it = 0; it < 4; ++it) {
     const int run = tid + 128 * it, i = run >> 3, j8 = (run & 7) * 8;
     float t[8];
-    if ((i >> 4) >= (j8 >> 4)) {
-      const float4 t0v = lds128(smem_u32(sT + i * kLd + j8)), t1v = lds128(smem_u32(sT + i * kLd + j8 + 4));
-      t[0] = t0v.x; t[1] = t0v.y; t[2] = t0v.z; t[3] = t0v.w; t[4] = t1v.x; t[5] = t1v.y; t[6] = t1v.z; t[7] = t1v.w;
-    } else {
-      CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) t[e] = 0.f;
-    }
+    tm_run(sT, i, j8, t);
     uint4 u;
     uint32_t* pu = &u.x;
     CUTE_UNROLL

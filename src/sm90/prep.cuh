@@ -152,6 +152,34 @@ struct PrepParams {
   int skip;       // the inverse kernel's test hook only (0 otherwise): stages left out, to time the others
 };
 
+// Host side: the sequences of a call, and what the chunk-parallel kernels (prep, inverse) take
+// from it (gates, sequences, heads, scale); the caller adds tensor maps and output pointers.
+// P: GdnForwardParams or GdnBackwardParams.
+template <class P>
+SeqDesc seq_desc(const P& p) {
+  SeqDesc sd;
+  sd.cu = p.cu_seqlens.data;
+  sd.cu64 = p.cu_seqlens.dtype == DType::kInt64;
+  sd.T = p.shape.seqlen;
+  return sd;
+}
+template <class P>
+PrepParams chunk_params(const P& p, const SeqDesc& sd, int N, const int* table) {
+  PrepParams pp{};
+  pp.g = p.g.data;
+  pp.beta = p.beta.data;
+  for (int i = 0; i < 2; ++i) { pp.sg[i] = p.g.stride[i]; pp.sb[i] = p.beta.stride[i]; }
+  pp.g_dt = static_cast<int>(p.g.dtype);
+  pp.b_dt = static_cast<int>(p.beta.dtype);
+  pp.sd = sd;
+  pp.N = N;
+  pp.H = static_cast<int>(p.shape.num_qk_heads);
+  pp.HV = static_cast<int>(p.shape.num_v_heads);
+  pp.chunk_off = table;
+  pp.scale = static_cast<float>(p.scale);
+  return pp;
+}
+
 // Shared memory of one gdn_prep warpgroup (byte offsets from the 1 KiB aligned base). Buffers are reused once
 // their contents are dead; the phases are separated by CTA barriers.
 //   Q tile (TMA)   -> A hi|lo staging (bulk-stored) -> Tu = Tm diag(beta) hi|lo images
@@ -283,6 +311,18 @@ __device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, fl
   invert_block_columns(sL, sT, sP, warp, lane);
 }
 
+// Columns j8 .. j8 + 7 of row i of Tm (fp32 [64][kLd]); zero above the diagonal blocks (Tm is
+// lower triangular, and its diagonal blocks hold exact zeros above the diagonal).
+__device__ __forceinline__ void tm_run(const float* sT, int i, int j8, float (&t)[8]) {
+  if ((i >> 4) >= (j8 >> 4)) {
+    const float4 t0 = lds128(smem_u32(sT + i * kLd + j8)), t1 = lds128(smem_u32(sT + i * kLd + j8 + 4));
+    t[0] = t0.x; t[1] = t0.y; t[2] = t0.z; t[3] = t0.w; t[4] = t1.x; t[5] = t1.y; t[6] = t1.z; t[7] = t1.w;
+  } else {
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) t[e] = 0.f;
+  }
+}
+
 // One region. sm: the warpgroup's shared-memory slice; tid: 0..127; bar: the slice's TMA
 // mbarrier (initialised), used once per region with parity `phase`.
 template <class T>
@@ -409,13 +449,7 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
     for (int it = 0; it < 4; ++it) {
       const int q = tid + 128 * it, i = q >> 3, j8 = (q & 7) * 8;
       float t[8];
-      if ((i >> 4) >= (j8 >> 4)) {
-        const float4 t0 = lds128(smem_u32(sT + i * kLd + j8)), t1 = lds128(smem_u32(sT + i * kLd + j8 + 4));
-        t[0] = t0.x; t[1] = t0.y; t[2] = t0.z; t[3] = t0.w; t[4] = t1.x; t[5] = t1.y; t[6] = t1.z; t[7] = t1.w;
-      } else {
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) t[e] = 0.f;
-      }
+      tm_run(sT, i, j8, t);
       uint4 uh, ul, wh, wl;
       uint32_t* puh = &uh.x; uint32_t* pul = &ul.x; uint32_t* pwh = &wh.x; uint32_t* pwl = &wl.x;
       CUTE_UNROLL

@@ -435,6 +435,28 @@ static void bench_inputs(const Problem& P, Dev& D) {
   CK(cudaDeviceSynchronize());
 }
 
+// Median of `reps` runs of `run` on `stream`, CUDA events around each (milliseconds).
+template <class Run>
+static double median_ms(cudaStream_t stream, int reps, Run&& run) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ts;
+  for (int r = 0; r < reps; ++r) {
+    CK(cudaEventRecord(a, stream));
+    run();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
 static double bench(const Case& c, cudaStream_t stream) {
   Problem P = make_problem(c);
   Dev D;
@@ -445,24 +467,8 @@ static double bench(const Case& c, cudaStream_t stream) {
     if (!s.ok()) { std::printf("bench forward: %s\n", s.message().c_str()); return 0; }
   }
   CK(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
   // Median of `reps` forwards (seconds) under the current test settings.
-  auto median_s = [&](int reps) {
-    std::vector<float> ts;
-    for (int r = 0; r < reps; ++r) {
-      CK(cudaEventRecord(a, stream));
-      (void)qla::sm90::forward(D.p);
-      CK(cudaEventRecord(b, stream));
-      CK(cudaEventSynchronize(b));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      ts.push_back(ms);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2] * 1e-3;
-  };
+  auto median_s = [&](int reps) { return median_ms(stream, reps, [&] { (void)qla::sm90::forward(D.p); }) * 1e-3; };
   const double t = median_s(20);
   double tprep = 0;  // table + prep alone (test builds with hooks)
 #ifdef QLA_SM90_TEST_HOOKS
@@ -622,23 +628,9 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
   const int64_t regions = (P.c.T * P.c.B / 64 + P.N) * P.c.HV;
   void* dreg = nullptr;
   CK(cudaMalloc(&dreg, regions * qla::sm90::test_inverse_region_bytes()));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
   auto median_us = [&](auto&& run) {
     for (int i = 0; i < 3; ++i) run();
-    std::vector<float> ts;
-    for (int r = 0; r < 20; ++r) {
-      CK(cudaEventRecord(a, stream));
-      run();
-      CK(cudaEventRecord(b, stream));
-      CK(cudaEventSynchronize(b));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, a, b));
-      ts.push_back(ms);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2] * 1e3;
+    return median_ms(stream, 20, run) * 1e3;
   };
   const double tinv = median_us([&] { (void)qla::sm90::test_run_inverse(D.p, dreg); });
   // Stages left out (timing by difference): phase 2, the whole inverse, then K K^T and L too,
