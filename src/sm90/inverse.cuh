@@ -29,12 +29,11 @@ static_assert(kInvEG + 16 <= kInvRegionBytes && kInvRegionBytes <= 16384, "inver
 
 // Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): two K stages
 // (TMA; the next region's tile lands while this one is inverted; a stage's bytes then take its
-// Tu image); L and Tm fp32 [64][kLd]; the per-warp 16 x 16 scratch of the inverse; gamma,
-// beta; one TMA mbarrier per stage.
+// Tu image); L and Tm fp32 [64][kLd] (phase 2's scratch in L's upper blocks); gamma, beta;
+// one TMA mbarrier per stage.
 constexpr uint32_t kInvK = 0, kInvL = 2 * 16384;
 constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
-constexpr uint32_t kInvP = kInvT + kC * kLd * 4;
-constexpr uint32_t kInvMisc = kInvP + 4 * 16 * kPd * 4;
+constexpr uint32_t kInvMisc = kInvT + kC * kLd * 4;
 constexpr uint32_t kInvWGBytes = (kInvMisc + 2 * kC * 4 + 16 + 1023) & ~1023u;
 constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarriers)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
@@ -130,7 +129,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   if (!(p.skip & 2)) {
     invert_diagonal_blocks(sL, sT, warp, lane);
     wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
-    if (!(p.skip & 1)) invert_block_columns(sL, sT, reinterpret_cast<float*>(sm + kInvP) + warp * 16 * kPd, warp, lane);
+    if (!(p.skip & 1)) invert_block_columns_tc(sL, sT, warp, lane, barid);
   }
   wg_bar(barid);
   if (p.skip & 8) {

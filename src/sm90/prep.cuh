@@ -304,6 +304,112 @@ __device__ __forceinline__ void invert_block_columns(const float* sL, float* sT,
     }
   }
 }
+// Phase 2 on the tensor cores (the fused forward's inverse): the same blocks as
+// invert_block_columns, by recursive doubling instead of column walks, each block product a
+// 16 x 16 x 16 tf32 mma.sync (operands rounded to nearest; the fp16 image that follows sets Tu's
+// error, bench/precision_model.py --inverse). With D_a the diagonal inverses of phase 1:
+//   T10 = -D1 L10 D0, T32 = -D3 L32 D2 (the 32 x 32 halves), then for the lower-left quarter
+//   P = [L20 L21; L30 L31] [D0 0; T10 D1] and [T20 T21; T30 T31] = -[D2 0; T32 D3] P.
+// Three steps split by warpgroup barriers; the longest path is six block products (nine
+// dependent ones on warp 0 in invert_block_columns). Scratch (X, P) lives in L's unused upper
+// blocks, so sL's blocks above the diagonal hold garbage afterwards.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+// acc += A B, A and B 16 x 16 fp32 blocks of row pitch kLd in shared memory; acc in the
+// m16n8 accumulator layout, two 8-column halves.
+__device__ __forceinline__ void block_mma_tf32(float (&acc)[2][4], const float* A, const float* B, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  CUTE_UNROLL
+  for (int ks = 0; ks < 2; ++ks) {
+    const float* a = A + g * kLd + 8 * ks + t;
+    const uint32_t a0 = to_tf32(a[0]), a1 = to_tf32(a[8 * kLd]), a2 = to_tf32(a[4]), a3 = to_tf32(a[8 * kLd + 4]);
+    CUTE_UNROLL
+    for (int nt = 0; nt < 2; ++nt) {
+      const float* b = B + (8 * ks + t) * kLd + 8 * nt + g;
+      const uint32_t b0 = to_tf32(b[0]), b1 = to_tf32(b[4 * kLd]);
+      asm volatile(
+          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(acc[nt][0]), "+f"(acc[nt][1]), "+f"(acc[nt][2]), "+f"(acc[nt][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+}
+__device__ __forceinline__ void block_zero(float (&acc)[2][4]) {
+  CUTE_UNROLL
+  for (int nt = 0; nt < 2; ++nt)
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+}
+// C = sign * acc (16 x 16, row pitch kLd).
+__device__ __forceinline__ void block_store(float* C, const float (&acc)[2][4], float sign, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  CUTE_UNROLL
+  for (int nt = 0; nt < 2; ++nt) {
+    *reinterpret_cast<float2*>(C + g * kLd + 8 * nt + 2 * t) = make_float2(sign * acc[nt][0], sign * acc[nt][1]);
+    *reinterpret_cast<float2*>(C + (g + 8) * kLd + 8 * nt + 2 * t) = make_float2(sign * acc[nt][2], sign * acc[nt][3]);
+  }
+}
+__device__ __forceinline__ void invert_block_columns_tc(float* sL, float* sT, int warp, int lane, int barid) {
+  auto Lb = [&](int a, int b) { return sL + 16 * a * kLd + 16 * b; };
+  auto Tb = [&](int a, int b) { return sT + 16 * a * kLd + 16 * b; };
+  // Scratch blocks in L's upper triangle: X for warps 0 and 1, then P21, P20, P31, P30.
+  float* X = Lb(0, 1 + warp);  // warps 0, 1
+  float* P1 = warp == 2 ? Lb(0, 3) : Lb(1, 3);  // P_a1 of warp a = 2, 3
+  float* P0 = warp == 2 ? Lb(1, 2) : Lb(2, 3);  // P_a0
+  float acc[2][4], keep[2][4];
+  // Step 1. Warps 0, 1: T_{a+1,a} = -D_{a+1} (L_{a+1,a} D_a), a = 0, 2. Warps a = 2, 3: P_a1 = L_a1 D1
+  // (stored) and L_a0 D0 (kept in registers for step 2).
+  if (warp < 2) {
+    const int a = 2 * warp;
+    block_zero(acc);
+    block_mma_tf32(acc, Lb(a + 1, a), Tb(a, a), lane);
+    block_store(X, acc, 1.f, lane);
+    __syncwarp();
+    block_zero(acc);
+    block_mma_tf32(acc, Tb(a + 1, a + 1), X, lane);
+    block_store(Tb(a + 1, a), acc, -1.f, lane);
+  } else {
+    block_zero(acc);
+    block_mma_tf32(acc, Lb(warp, 1), Tb(1, 1), lane);
+    block_store(P1, acc, 1.f, lane);
+    block_zero(keep);
+    block_mma_tf32(keep, Lb(warp, 0), Tb(0, 0), lane);
+  }
+  wg_bar(barid);
+  // Step 2. Warps 2, 3: P_a0 = L_a0 D0 + L_a1 T10; warp 2 then T20 = -D2 P20. Warp 0: T21 = -D2 P21.
+  // Warp 1: T31 = -(T32 P21 + D3 P31).
+  if (warp >= 2) {
+    block_mma_tf32(keep, Lb(warp, 1), Tb(1, 0), lane);
+    block_store(P0, keep, 1.f, lane);
+    if (warp == 2) {
+      __syncwarp();
+      block_zero(acc);
+      block_mma_tf32(acc, Tb(2, 2), P0, lane);
+      block_store(Tb(2, 0), acc, -1.f, lane);
+    }
+  } else if (warp == 0) {
+    block_zero(acc);
+    block_mma_tf32(acc, Tb(2, 2), Lb(0, 3), lane);
+    block_store(Tb(2, 1), acc, -1.f, lane);
+  } else {
+    block_zero(acc);
+    block_mma_tf32(acc, Tb(3, 2), Lb(0, 3), lane);
+    block_mma_tf32(acc, Tb(3, 3), Lb(1, 3), lane);
+    block_store(Tb(3, 1), acc, -1.f, lane);
+  }
+  wg_bar(barid);
+  // Step 3. Warp 3: T30 = -(T32 P20 + D3 P30).
+  if (warp == 3) {
+    block_zero(acc);
+    block_mma_tf32(acc, Tb(3, 2), Lb(1, 2), lane);
+    block_mma_tf32(acc, Tb(3, 3), Lb(2, 3), lane);
+    block_store(Tb(3, 0), acc, -1.f, lane);
+  }
+}
 __device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, float* sP, int warp, int lane,
                                                   int barid) {
   invert_diagonal_blocks(sL, sT, warp, lane);
