@@ -35,6 +35,7 @@
 #include "prep.cuh"
 #include "inverse.cuh"
 #include "recurrence.cuh"
+#include "fused_chunks.cuh"
 #include "host_util.cuh"
 
 namespace qla {
@@ -51,6 +52,7 @@ int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
 int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
 int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
+int g_test_fused = 0;      // test builds only: 1 runs the fused forward (inverse + fused recurrence)
 #endif
 
 struct WsLayout {
@@ -87,6 +89,63 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
   return Status::Ok();
 }
+
+// The recurrence kernels' arguments common to every launch (sequences, states, o, heads).
+RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
+                     const int* table, const void* regions) {
+  RecParams rp{};
+  rp.tmq = tmq;
+  rp.tmk = tmk;
+  rp.sd = sd;
+  rp.chunk_off = table;
+  rp.regions = regions;
+  rp.h0 = static_cast<const float*>(p.initial_state.data);
+  rp.hT = static_cast<float*>(p.final_state.data);
+  for (int i = 0; i < 3; ++i) { rp.sh0[i] = p.initial_state.stride[i]; rp.shT[i] = p.final_state.stride[i]; rp.so[i] = p.o.stride[i]; }
+  rp.vk = p.state_layout == StateLayout::kVK;
+  rp.o = p.o.data;
+  rp.N = static_cast<int>(num_seqs(p));
+  rp.H = static_cast<int>(p.shape.num_qk_heads);
+  rp.HV = static_cast<int>(p.shape.num_v_heads);
+  return rp;
+}
+
+#ifdef QLA_SM90_TEST_HOOKS
+// Test builds only: the fused forward (docs/fused.md v2): chunk table, the inverse kernel into
+// `regions` (kInvRegionBytes each), then the fused recurrence at V tile 64, in stream order.
+template <class T>
+Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
+                    int* table, void* regions, int sms) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int N = static_cast<int>(num_seqs(p));
+  const int HV = static_cast<int>(p.shape.num_v_heads);
+  const int64_t nregions = max_chunks(p) * HV;
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
+               "cudaFuncSetAttribute(gdn_fwd_inverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks)");
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
+  CUtensorMap tmv;
+  Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
+  if (nregions > 0) {
+    PrepParams pp = chunk_params(p, sd, N, table);
+    pp.tmk = tmk;
+    pp.regions = regions;
+    const unsigned grid = static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>(sms, (nregions + kInvWarpgroups - 1) / kInvWarpgroups)));
+    gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
+  }
+  RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
+  rp.tmv = tmv;
+  rp.scale = static_cast<float>(p.scale);
+  gdn_fwd_chunks<T><<<seq_grid(N, HV, kDV / FusedCfg::kVT), 384, FusedCfg::kSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
+  return Status::Ok();
+}
+#endif
 
 template <class T>
 Status launch(const GdnForwardParams& p) {
@@ -137,6 +196,9 @@ Status launch(const GdnForwardParams& p) {
 #endif
   int* ready = reinterpret_cast<int*>(ws + wl.ready);
   const int64_t nregions = mc * HV;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_fused) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
+#endif
 
   if (stages & 1) {
     gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0);
@@ -159,20 +221,7 @@ Status launch(const GdnForwardParams& p) {
   }
   if (!(stages & 2)) return Status::Ok();
 
-  RecParams rp{};
-  rp.tmq = tmq;
-  rp.tmk = tmk;
-  rp.sd = sd;
-  rp.chunk_off = table;
-  rp.regions = ws + wl.regions;
-  rp.h0 = static_cast<const float*>(p.initial_state.data);
-  rp.hT = static_cast<float*>(p.final_state.data);
-  for (int i = 0; i < 3; ++i) { rp.sh0[i] = p.initial_state.stride[i]; rp.shT[i] = p.final_state.stride[i]; rp.so[i] = p.o.stride[i]; }
-  rp.vk = p.state_layout == StateLayout::kVK;
-  rp.o = p.o.data;
-  rp.N = N;
-  rp.H = static_cast<int>(p.shape.num_qk_heads);
-  rp.HV = HV;
+  RecParams rp = rec_params(p, tmq, tmk, sd, table, ws + wl.regions);
   rp.prec = kPrecDefault;
   rp.ready = overlap ? ready : nullptr;
 #ifdef QLA_SM90_TEST_HOOKS
@@ -242,6 +291,7 @@ void set_test_precision(int bits) { g_test_prec = bits; }
 void set_test_stages(int bits) { g_test_stages = bits; }
 void set_test_vt(int vt) { g_test_vt = vt; }
 void set_test_overlap(int on) { g_test_overlap = on; }
+void set_test_fused(int on) { g_test_fused = on; }
 size_t test_inverse_region_bytes() { return kInvRegionBytes; }
 void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {

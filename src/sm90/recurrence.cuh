@@ -45,6 +45,8 @@ struct RecParams {
   int prec;      // kPrec* bits
   void* states;  // backward (kStates): the state entering every chunk, 16-bit DD_K image per region
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
+  CUtensorMap tmv;   // the fused forward (fused_chunks.cuh): v as (d, head, token, batch), box (64, 1, 64, 1)
+  float scale;       // the fused forward: the output scale
 };
 
 constexpr int kStages = 2;

@@ -36,6 +36,7 @@ void set_test_precision(int bits);
 void set_test_stages(int bits);
 void set_test_vt(int vt);
 void set_test_overlap(int on);
+void set_test_fused(int on);
 size_t test_inverse_region_bytes();
 void set_test_inverse_skip(int bits);
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
@@ -70,6 +71,7 @@ struct Case {
   int64_t tpad = 0;  // extra elements per token in q/k/v (strided views)
   bool cu64 = false;
   float scale = 0.f;  // 0: K^-0.5
+  float vmag = 1.f, hmag = 1.f;  // scale of v and h0 (the fused forward's fp16 range handling)
 };
 
 static uint16_t to16(float x, DType dt) {
@@ -124,7 +126,7 @@ static void make_inputs(Problem& P, uint64_t seed) {
       for (int i = 0; i < K; ++i) p[i] = roundto(p[i] * inv, c.qdt);
     }
   }
-  for (auto& x : P.v) x = roundto(nd(rng), c.qdt);
+  for (auto& x : P.v) x = roundto(c.vmag * nd(rng), c.qdt);
   for (size_t i = 0; i < P.g.size(); ++i) {
     const float z = nd(rng);
     const float ls = -std::log1p(std::exp(-z));  // logsigmoid
@@ -133,7 +135,7 @@ static void make_inputs(Problem& P, uint64_t seed) {
   }
   for (auto& x : P.beta) x = roundto(1.f / (1.f + std::exp(-nd(rng))), c.gdt);
   P.h0.assign(c.h0 ? P.N * c.HV * K * V : 0, 0.f);
-  for (auto& x : P.h0) x = nd(rng);
+  for (auto& x : P.h0) x = c.hmag * nd(rng);
 }
 
 // fp64 token-by-token reference. o: [B*T, HV, V], hT: [N, HV, K, V] (always kKV here).
@@ -654,12 +656,13 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 #endif
 
 int main(int argc, char** argv) {
-  bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false;
+  bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
     if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
+    if (std::string(argv[i]) == "--fused") do_fused = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
   }
@@ -710,12 +713,38 @@ int main(int argc, char** argv) {
   { Case c; c.name = "bench dist T1536 GVA4 (g=0 head 0)"; c.B = 1; c.T = 1536; c.H = 1; c.HV = 4; c.gmode = 3;
     cases.push_back(c); }
 
+  { Case c; c.name = "large v, h0 (fp16 range)"; c.lens = {200, 64, 0, 129}; c.H = 2; c.HV = 4; c.vmag = 1e5f;
+    c.hmag = 1e6f; cases.push_back(c); }
+  { Case c; c.name = "tiny v, h0"; c.B = 1; c.T = 300; c.H = 1; c.HV = 2; c.vmag = 1e-6f; c.hmag = 1e-6f;
+    c.layout = StateLayout::kVK; cases.push_back(c); }
+
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1 || i == 4) && ok;
 
-  if (do_bench)
+  if (do_bench && !do_fused)
     for (const Case& c : bench_rows()) bench(c, stream);
 
 #ifdef QLA_SM90_TEST_HOOKS
+  if (do_fused) {
+    // The fused forward (inverse kernel + fused recurrence) on every case, then the bench rows
+    // beside the current path.
+    qla::sm90::set_test_fused(1);
+    std::printf("--- fused forward\n");
+    g_max_o = g_max_h = 0;
+    for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 2468 + i, stream, i == 1 || i == 4) && ok;
+    std::printf("fused: max o %.2e  max state %.2e\n", g_max_o, g_max_h);
+    if (do_bench) {
+      std::vector<Case> rows = bench_rows();
+      std::vector<double> tf(rows.size());
+      for (size_t i = 0; i < rows.size(); ++i) tf[i] = bench(rows[i], stream);
+      qla::sm90::set_test_fused(0);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const double t = bench(rows[i], stream);
+        std::printf("bench-fused %-30s fused %.3f ms  current %.3f ms  (%.2fx)\n", rows[i].name.c_str(), tf[i] * 1e3,
+                    t * 1e3, t / tf[i]);
+      }
+    }
+    qla::sm90::set_test_fused(0);
+  }
   if (do_inverse) {
     for (size_t i = 0; i < cases.size(); ++i) ok = check_inverse(cases[i], 4321 + i, stream) && ok;
     if (do_inverse_bench)

@@ -1,0 +1,341 @@
+// The fused forward's kernel 2 of 2 (docs/fused.md v2, step 2): the recurrence with its output,
+// V tile 64. It reads q, k, v directly (TMA) and the inverse kernel's regions (Tu image and gates,
+// inverse.cuh); nothing per chunk goes back to global memory but o.
+//
+// One CTA per (sequence, value head, V tile of 64), chunks in order, three warpgroups:
+//   WG0 producer (one thread): TMA of Q, K (64 x 128), the V tile (64 x 64) and a bulk copy of
+//       the chunk's region (Tu image + gates) into a kStages ring (`full` / `empty` mbarriers).
+//   WG1 aux, running ahead of the chain: converts Q and K to fp16 in place (bf16 inputs; exact
+//       for l2-normalised q, k), A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
+//       into the stage; then arrives on `aready`.
+//   WG2 math: the state held transposed, S^T (v, d), in fp32 wgmma accumulators; every product
+//       takes its left operand from registers (RS wgmma, fp16):
+//         Y^T = S^T K^T, P^T = S^T Q^T                       (64 x 64 x 128)
+//         U^T = Z^T Tu^T, Z^T = V^T - Y^T diag(e^gamma)      (64 x 64 x 64)
+//         O^T = P^T diag(scale e^gamma) + U^T A^T            (64 x 64 x 64)
+//         S^T = e^Gamma S^T + X^T K, X^T = U^T diag(e^(Gamma - gamma))  (64 x 128 x 64)
+//       and O leaves through a shared-memory transpose.
+// fp16 range: every value-side quantity (S, Z, U, X, O) is linear in (v, h0), and each v row of
+// S^T is independent of the others, so row v is carried in units of 2^esc_v (an exact power of
+// two, set per chunk from the row's max |S| and |V| so that it sits in [2^8, 2^9)); the fp16
+// copies are then far from overflow for any input scale, and o and the final state are scaled
+// back on the way out.
+#pragma once
+
+#include "inverse.cuh"
+#include "recurrence.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+struct FusedCfg {
+  static constexpr int kStages = 3;
+  static constexpr int kVT = 64;  // V columns per CTA
+  // Stage (1 KiB aligned parts): Q | K (TMA, converted to fp16 in place) | V tile (TMA) |
+  // Tu image + gates (one bulk copy of the region's first kRegionCopy bytes) | A image.
+  static constexpr uint32_t kQ = 0, kK = kQKBytes, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2;
+  static constexpr uint32_t kRegionCopy = kInvEG + 16;  // Tu image, gamma, e^gamma, e^(Gamma-gamma), e^Gamma
+  static constexpr uint32_t kA = (kTu + kRegionCopy + 1023) & ~1023u;
+  static constexpr uint32_t kStageBytes = kA + kImgTokTok * 2;
+  static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kRegionCopy;
+  // O staging, two buffers of [64 tok][kOPitch] elements (padded rows), then the mbarriers.
+  static constexpr int kOPitch = kVT + 8;
+  static constexpr uint32_t kO = kStages * kStageBytes;
+  static constexpr uint32_t kBar = kO + 2 * kC * kOPitch * 2;
+  static constexpr size_t kSmem = 1024 + kBar + 3 * kStages * 8;
+  static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
+  static_assert(kRegionCopy % 16 == 0, "bulk copies move 16-byte multiples");
+};
+
+// Named barriers (0 is __syncthreads).
+constexpr int kBarAux = 2, kBarMath = 3;
+
+// Exponent of a positive finite float (unbiased; subnormals count as -127).
+__device__ __forceinline__ int float_exponent(float m) { return ((__float_as_int(m) >> 23) & 255) - 127; }
+// 2^e for e in [-126, 127].
+__device__ __forceinline__ float pow2i(int e) { return __int_as_float((e + 127) << 23); }
+
+template <class T>
+__global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
+  using Cfg = FusedCfg;
+  using H = cutlass::half_t;
+  using LH = Lay<H>;
+  constexpr int kStages = Cfg::kStages, VT = Cfg::kVT;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
+  uint64_t* aready = full + kStages;
+  uint64_t* empty = aready + kStages;
+
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+  const RecTile tile = rec_tile<VT>(p);
+  const int vt = tile.vt, n = tile.n, hv = tile.hv;
+  const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
+  const int nch = tile.nch, ci0 = tile.ci0;
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
+    fill_nan_outputs<T>(p);
+    return;
+  }
+  if (!tile.live) return;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&aready[s], 128);
+      mbar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
+  auto parity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (wt != 0) return;
+    const int hq = hv / (p.HV / p.H);
+    const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
+    for (int c = 0; c < nch; ++c) {
+      const int st = c % kStages;
+      uint8_t* dst = stage(c);
+      // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
+      // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
+      const int tok = static_cast<int>(t0) + c * kC, bb = static_cast<int>(b);
+      mbar_wait(&empty[st], parity(c) ^ 1);
+      mbar_expect_tx(&full[st], Cfg::kTx);
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        tma_load_4d(dst + Cfg::kQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &full[st]);
+      }
+      tma_load_4d(dst + Cfg::kV, &p.tmv, vt * VT, hv, tok, bb, &full[st]);
+      bulk_g2s(dst + Cfg::kTu, regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kInvRegionBytes,
+               Cfg::kRegionCopy, &full[st]);
+    }
+    return;
+  }
+
+  if (wg == 1) {
+    // ---------------- aux: fp16 Q and K, the A image ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    auto mma = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto thr = mma.get_thread_slice(wt);
+    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
+    for (int c = 0; c < nch; ++c) {
+      uint8_t* stb = stage(c);
+      H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
+      H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
+      H* sA = reinterpret_cast<H*>(stb + Cfg::kA);
+      const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvGam);
+      mbar_wait(&full[c % kStages], parity(c));
+      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+        // Q and K are consecutive: 2 x 16 KiB, 16 runs of 8 elements per thread.
+        CUTE_UNROLL
+        for (int it = 0; it < 16; ++it) {
+          const uint32_t a = smem_u32(stb + Cfg::kQ) + 16u * (wt + 128 * it);
+          uint4 u;
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
+          uint32_t* pu = &u.x;
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack2<cutlass::bfloat16_t>(pu[e]);
+            pu[e] = pack2<H>(f.x, f.y);
+          }
+          sts128(a, u);
+        }
+        fence_async_smem();
+        wg_bar(kBarAux);  // every thread's conversions, before the wgmma reads them
+      }
+      Tensor rQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
+      Tensor rK = thr.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      gemm_k(mma, rQ, rK, acc, GMMA::ScaleOut::Zero);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
+      // clamped difference, no overflow). Elements i, i + 1 are columns c, c + 1 of one row.
+      const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+      Tensor tA = make_tensor(make_smem_ptr(sA), typename LH::TokTok_K{});
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        const int r = get<0>(cc(i)), j = get<1>(cc(i));
+        const float gr = sGam[r];
+        const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
+        const float sr = r < len ? p.scale : 0.f;
+        const float a0 = r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f;
+        const float a1 = r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f;
+        *reinterpret_cast<uint32_t*>(sA + static_cast<int>(&tA(r, j) - sA)) = pack2<H>(a0, a1);
+      }
+      fence_async_smem();
+      mbar_arrive(&aready[c % kStages]);
+    }
+    return;
+  }
+
+  // ---------------- math: the chain ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // N = 64 tokens
+  auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // N = 128 (d)
+  auto thrT = mmaT.get_thread_slice(wt);
+  auto thrS = mmaS.get_thread_slice(wt);
+  Tensor accS = partition_fragment_C(mmaS, Shape<_64, _128>{});  // S^T (v, d), row v in units 2^esc_v
+  Tensor accY = partition_fragment_C(mmaT, Shape<_64, _64>{});   // Y^T, then U^T
+  Tensor accP = partition_fragment_C(mmaT, Shape<_64, _64>{});   // P^T, then O^T
+  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  Tensor cT = thrT.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  // Register A operands (fp16). The accumulator of a 64 x N product and the A fragment of a
+  // K = N product list a thread's elements in the same order (CLayout_64xN, ALayout_64x16), so
+  // element i of the one becomes element i of the other.
+  Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});
+  Tensor rZ16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // Z^T, then U^T
+  Tensor rX16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});
+  static_assert(size(decltype(accS){}) == size(decltype(rS16){}) && size(decltype(accY){}) == size(decltype(rZ16){}),
+                "A operands are the accumulators' elements");
+  // Element i's row half: rows 16 w + lane / 4 (h = 0) and + 8 (h = 1).
+  auto half_of = [](int i) { return (i >> 1) & 1; };
+
+  const int v0 = vt * VT;
+  const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) {
+    const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
+    accS(i) = p.h0 ? p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+  }
+  int esc[2] = {0, 0};  // row v's units: 2^esc
+
+  T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
+  for (int c = 0; c < nch; ++c) {
+    const int st = c % kStages;
+    uint8_t* stb = stage(c);
+    H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
+    H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
+    const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV);
+    const float* sEg = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEg);
+    const float* sEgk = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEgk);
+    const float eG = *reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEG);
+    Tensor tV = make_tensor(make_smem_ptr(sV), typename Lay<T>::TokTok_K{});  // (tok, v)
+    mbar_wait(&full[st], parity(c));
+    mbar_wait(&aready[st], parity(c));
+
+    // Row units for this chunk: max |S| (in the current units) and max |V| (raw), over the
+    // four threads of a quad (they share rows).
+    float m[2] = {0.f, 0.f};
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) m[half_of(i)] = fmaxf(m[half_of(i)], fabsf(accS(i)));
+    float mv[2] = {0.f, 0.f};
+    CUTE_UNROLL
+    for (int i = 0; i < size(accY); ++i) {
+      const int r = get<0>(cT(i)), j = get<1>(cT(i));
+      mv[half_of(i)] = fmaxf(mv[half_of(i)], fabsf(static_cast<float>(tV(j, r))));
+    }
+    float f[2], sc[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      float mm = fmaxf(m[h], mv[h] * pow2i(esc[h]));
+      mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
+      mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
+      // New units put the row max in [2^8, 2^9); a zero row keeps its units.
+      const int de = mm > 0.f ? max(-126, min(127, 8 - float_exponent(mm))) : 0;
+      const int ne = max(-120, min(120, esc[h] + de));
+      f[h] = pow2i(ne - esc[h]);
+      esc[h] = ne;
+      sc[h] = pow2i(ne);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
+
+    // Y^T = S^T K^T, P^T = S^T Q^T.
+    Tensor rKb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
+    Tensor rQb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
+    warpgroup_fence_operand(rS16);
+    warpgroup_fence_operand(accY);
+    warpgroup_fence_operand(accP);
+    warpgroup_arrive();
+    gemm_k(mmaT, rS16, rKb, accY, GMMA::ScaleOut::Zero);
+    gemm_k(mmaT, rS16, rQb, accP, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accY);
+    warpgroup_fence_operand(accP);
+
+    // Z^T = V^T - Y^T diag(e^gamma), in the row units.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accY); ++i) {
+      const int r = get<0>(cT(i)), j = get<1>(cT(i));
+      rZ16(i) = H(static_cast<float>(tV(j, r)) * sc[half_of(i)] - sEg[j] * accY(i));
+    }
+    // U^T = Z^T Tu^T.
+    Tensor rTu = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+    warpgroup_fence_operand(rZ16);
+    warpgroup_arrive();
+    gemm_k(mmaT, rZ16, rTu, accY, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accY);
+
+    // X^T = U^T diag(e^(Gamma - gamma)); U^T as fp16 (Z's registers).
+    CUTE_UNROLL
+    for (int i = 0; i < size(accY); ++i) {
+      const int j = get<1>(cT(i));
+      rX16(i) = H(accY(i) * sEgk[j]);
+      rZ16(i) = H(accY(i));
+    }
+    // S^T = e^Gamma S^T + X^T K (in the new units), O^T = P^T diag(scale e^gamma) + U^T A^T.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) *= f[half_of(i)] * eG;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accP); ++i) accP(i) *= p.scale * sEg[get<1>(cT(i))];
+    Tensor rKs = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::DTok_MN{}));
+    Tensor rAb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA)), typename LH::TokTok_K{}));
+    warpgroup_fence_operand(rX16);
+    warpgroup_fence_operand(rZ16);
+    warpgroup_fence_operand(accS);
+    warpgroup_fence_operand(accP);
+    warpgroup_arrive();
+    gemm_k(mmaS, rX16, rKs, accS, GMMA::ScaleOut::One);
+    gemm_k(mmaT, rZ16, rAb, accP, GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS);
+    warpgroup_fence_operand(accP);
+    mbar_arrive(&empty[st]);  // every read of the stage is done
+
+    // O = O^T back in true units, transposed through shared memory (two buffers: a buffer is
+    // rewritten two chunks later, after every thread has passed the next chunk's barrier).
+    T* sO = reinterpret_cast<T*>(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch;
+    const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+    CUTE_UNROLL
+    for (int i = 0; i < size(accP); ++i) {
+      const int r = get<0>(cT(i)), j = get<1>(cT(i));
+      sO[j * Cfg::kOPitch + r] = T(accP(i) * inv[half_of(i)]);
+    }
+    wg_bar(kBarMath);
+    const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+    CUTE_UNROLL
+    for (int it = 0; it < kC * VT / 2 / 128; ++it) {
+      const int q = wt + 128 * it, j = q / (VT / 2), vp = q % (VT / 2);
+      if (j < rows)
+        *reinterpret_cast<uint32_t*>(ob + (t0 + static_cast<int64_t>(c) * kC + j) * p.so[1] + 2 * vp) =
+            *reinterpret_cast<const uint32_t*>(sO + j * Cfg::kOPitch + 2 * vp);
+    }
+  }
+
+  if (p.hT) {
+    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+    const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
+      p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i) * inv[half_of(i)];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
