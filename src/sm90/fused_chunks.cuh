@@ -3,10 +3,13 @@
 // inverse.cuh); nothing per chunk goes back to global memory but o.
 //
 // One CTA per (sequence, value head, V tile of 64), chunks in order, three warpgroups:
-//   WG0 producer (one thread): TMA of Q, K (64 x 128), the V tile (64 x 64) and a bulk copy of
-//       the chunk's region (Tu image + gates) into a kStages ring (`full` / `empty` mbarriers).
+//   WG0 warp 0, producer (one thread): TMA of Q, K (64 x 128), the V tile (64 x 64) and a bulk
+//       copy of the chunk's region (Tu image + gates) into a kStages ring (`full` / `empty`).
+//   WG0 warps 1-3, output store: copy each chunk's O tile (transposed by the math warpgroup into
+//       one of two staging buffers, `oready` / `ofree`) to o.
 //   WG1 aux, running ahead of the chain: converts Q and K to fp16 in place (bf16 inputs; exact
-//       for l2-normalised q, k), A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
+//       for l2-normalised q, k); rewrites the V tile in the math warpgroup's fragment order with
+//       each row's max |v|; A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
 //       into the stage; then arrives on `aready`.
 //   WG2 math: the state held transposed, S^T (v, d), in fp32 wgmma accumulators; every product
 //       takes its left operand from registers (RS wgmma, fp16):
@@ -14,7 +17,7 @@
 //         U^T = Z^T Tu^T, Z^T = V^T - Y^T diag(e^gamma)      (64 x 64 x 64)
 //         O^T = P^T diag(scale e^gamma) + U^T A^T            (64 x 64 x 64)
 //         S^T = e^Gamma S^T + X^T K, X^T = U^T diag(e^(Gamma - gamma))  (64 x 128 x 64)
-//       and O leaves through a shared-memory transpose.
+//       Y^T waits alone (P^T runs under Z's arithmetic); O^T leaves by stmatrix.trans.
 // fp16 range: every value-side quantity (S, Z, U, X, O) is linear in (v, h0), and each v row of
 // S^T is independent of the others, so row v is carried in units of 2^esc_v (an exact power of
 // two, set per chunk from the row's max |S| and |V| so that it sits in [2^8, 2^9)); the fp16
@@ -37,19 +40,34 @@ struct FusedCfg {
   static constexpr uint32_t kQ = 0, kK = kQKBytes, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2;
   static constexpr uint32_t kRegionCopy = kInvEG + 16;  // Tu image, gamma, e^gamma, e^(Gamma-gamma), e^Gamma
   static constexpr uint32_t kA = (kTu + kRegionCopy + 1023) & ~1023u;
-  static constexpr uint32_t kStageBytes = kA + kImgTokTok * 2;
+  static constexpr uint32_t kVmax = kA + kImgTokTok * 2;  // max |v| per row of the V tile, fp32 x 64
+  static constexpr uint32_t kStageBytes = kVmax + 1024;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kRegionCopy;
   // O staging, two buffers of [64 tok][kOPitch] elements (padded rows), then the mbarriers.
   static constexpr int kOPitch = kVT + 8;
   static constexpr uint32_t kO = kStages * kStageBytes;
   static constexpr uint32_t kBar = kO + 2 * kC * kOPitch * 2;
-  static constexpr size_t kSmem = 1024 + kBar + 3 * kStages * 8;
+  static constexpr size_t kSmem = 1024 + kBar + (3 * kStages + 4) * 8;
+  static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
   static_assert(kRegionCopy % 16 == 0, "bulk copies move 16-byte multiples");
 };
 
 // Named barriers (0 is __syncthreads).
-constexpr int kBarAux = 2, kBarMath = 3;
+constexpr int kBarAux = 2;
+
+// The math warpgroup's V^T fragment: thread t's 16 pairs (row v, tokens j, j + 1), one pair per
+// even accumulator element of a 64 x 64 tile, stored by the aux warpgroup as four 16-byte runs
+// per thread, run-major (conflict-free for both).
+__device__ __forceinline__ uint32_t vfrag_addr(uint32_t base, int run, int t) { return base + 16u * (run * 128 + t); }
+
+// Four 8 x 8 blocks of 16-bit pairs stored transposed (rows of the memory image = columns of the
+// fragment): the O^T (v, tok) accumulator pairs become rows of o's (tok, v) layout.
+__device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
 
 // Exponent of a positive finite float (unbiased; subnormals count as -127).
 __device__ __forceinline__ int float_exponent(float m) { return ((__float_as_int(m) >> 23) & 255) - 127; }
@@ -68,6 +86,8 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
   uint64_t* aready = full + kStages;
   uint64_t* empty = aready + kStages;
+  uint64_t* oready = empty + kStages;  // [2]: the staging buffer holds chunk c's O
+  uint64_t* ofree = oready + 2;        // [2]: the store threads have copied it out
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
   const RecTile tile = rec_tile<VT>(p);
@@ -85,6 +105,10 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       mbar_init(&aready[s], 128);
       mbar_init(&empty[s], 128);
     }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&oready[s], 128);
+      mbar_init(&ofree[s], Cfg::kStoreThreads);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -94,6 +118,32 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   if (wg == 0) {
     // ---------------- producer ----------------
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (wt >= 32) {
+      // ---------------- output store (warps 1-3) ----------------
+      const int st_t = wt - 32;
+      T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + vt * VT;
+      // 16-byte stores when every row start is 16-byte aligned, else 4-byte ones.
+      const bool vec = (reinterpret_cast<uintptr_t>(ob) & 15) == 0 && (p.so[1] & 7) == 0;
+      for (int c = 0; c < nch; ++c) {
+        const T* sO = reinterpret_cast<const T*>(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch;
+        const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+        T* oc = ob + (t0 + static_cast<int64_t>(c) * kC) * p.so[1];
+        mbar_wait(&oready[c & 1], (c >> 1) & 1);
+        if (vec) {
+          for (int q = st_t; q < rows * (VT / 8); q += Cfg::kStoreThreads) {
+            const int j = q / (VT / 8), v8 = q % (VT / 8);
+            *reinterpret_cast<uint4*>(oc + j * p.so[1] + 8 * v8) = *reinterpret_cast<const uint4*>(sO + j * Cfg::kOPitch + 8 * v8);
+          }
+        } else {
+          for (int q = st_t; q < rows * (VT / 2); q += Cfg::kStoreThreads) {
+            const int j = q / (VT / 2), v2 = q % (VT / 2);
+            *reinterpret_cast<uint32_t*>(oc + j * p.so[1] + 2 * v2) = *reinterpret_cast<const uint32_t*>(sO + j * Cfg::kOPitch + 2 * v2);
+          }
+        }
+        mbar_arrive(&ofree[c & 1]);
+      }
+      return;
+    }
     if (wt != 0) return;
     const int hq = hv / (p.HV / p.H);
     const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
@@ -124,6 +174,9 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     auto thr = mma.get_thread_slice(wt);
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
+    // The math warpgroup's (v, tok) coordinates of thread wt (its layout, evaluated here).
+    auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});
+    Tensor cT = mmaT.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
@@ -131,6 +184,26 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       H* sA = reinterpret_cast<H*>(stb + Cfg::kA);
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvGam);
       mbar_wait(&full[c % kStages], parity(c));
+      // V^T pairs of the math thread wt and its rows' max |v| (the four threads of a quad share
+      // rows), read before the tile is overwritten in fragment order below.
+      uint32_t vp[16];
+      {
+        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename Lay<T>::TokTok_K{});
+        float vm[2] = {0.f, 0.f};
+        CUTE_UNROLL
+        for (int k = 0; k < 16; ++k) {
+          const int r = get<0>(cT(2 * k)), j = get<1>(cT(2 * k));
+          const float a = static_cast<float>(tV(j, r)), bb = static_cast<float>(tV(j + 1, r));
+          vp[k] = pack2<T>(a, bb);  // exact: a, bb are T values
+          vm[k & 1] = fmaxf(vm[k & 1], fmaxf(fabsf(a), fabsf(bb)));
+        }
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 1));
+          vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 2));
+          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[get<0>(cT(2 * h))] = vm[h];
+        }
+      }
       if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
         // Q and K are consecutive: 2 x 16 KiB, 16 runs of 8 elements per thread.
         CUTE_UNROLL
@@ -147,8 +220,11 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
           sts128(a, u);
         }
         fence_async_smem();
-        wg_bar(kBarAux);  // every thread's conversions, before the wgmma reads them
       }
+      wg_bar(kBarAux);  // every thread's conversions done (the wgmma reads them), V read
+      CUTE_UNROLL
+      for (int run = 0; run < 4; ++run)
+        sts128(vfrag_addr(smem_u32(stb + Cfg::kV), run, wt), make_uint4(vp[4 * run], vp[4 * run + 1], vp[4 * run + 2], vp[4 * run + 3]));
       Tensor rQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
       Tensor rK = thr.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
       warpgroup_fence_operand(acc);
@@ -208,35 +284,27 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   }
   int esc[2] = {0, 0};  // row v's units: 2^esc
 
-  T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
   for (int c = 0; c < nch; ++c) {
     const int st = c % kStages;
     uint8_t* stb = stage(c);
     H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
     H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
-    const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV);
     const float* sEg = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEg);
     const float* sEgk = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEgk);
-    const float eG = *reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEG);
-    Tensor tV = make_tensor(make_smem_ptr(sV), typename Lay<T>::TokTok_K{});  // (tok, v)
+    const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax);
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
+    const float eG = *reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEG);
 
-    // Row units for this chunk: max |S| (in the current units) and max |V| (raw), over the
-    // four threads of a quad (they share rows).
+    // Row units for this chunk: max |S| (current units) and max |V| (raw, from the aux), over
+    // the four threads of a quad (they share rows).
     float m[2] = {0.f, 0.f};
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) m[half_of(i)] = fmaxf(m[half_of(i)], fabsf(accS(i)));
-    float mv[2] = {0.f, 0.f};
-    CUTE_UNROLL
-    for (int i = 0; i < size(accY); ++i) {
-      const int r = get<0>(cT(i)), j = get<1>(cT(i));
-      mv[half_of(i)] = fmaxf(mv[half_of(i)], fabsf(static_cast<float>(tV(j, r))));
-    }
     float f[2], sc[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      float mm = fmaxf(m[h], mv[h] * pow2i(esc[h]));
+      float mm = fmaxf(m[h], sVmax[get<0>(cT(2 * h))] * pow2i(esc[h]));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
       // New units put the row max in [2^8, 2^9); a zero row keeps its units.
@@ -249,7 +317,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
 
-    // Y^T = S^T K^T, P^T = S^T Q^T.
+    // Y^T = S^T K^T, then P^T = S^T Q^T in its own group: Z waits for Y^T only.
     Tensor rKb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
     Tensor rQb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
     warpgroup_fence_operand(rS16);
@@ -257,19 +325,28 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_fence_operand(accP);
     warpgroup_arrive();
     gemm_k(mmaT, rS16, rKb, accY, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
     gemm_k(mmaT, rS16, rQb, accP, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    warpgroup_wait<1>();
     warpgroup_fence_operand(accY);
-    warpgroup_fence_operand(accP);
 
-    // Z^T = V^T - Y^T diag(e^gamma), in the row units.
+    // Z^T = V^T - Y^T diag(e^gamma), in the row units (V^T pairs in fragment order).
     CUTE_UNROLL
-    for (int i = 0; i < size(accY); ++i) {
-      const int r = get<0>(cT(i)), j = get<1>(cT(i));
-      rZ16(i) = H(static_cast<float>(tV(j, r)) * sc[half_of(i)] - sEg[j] * accY(i));
+    for (int run = 0; run < 4; ++run) {
+      const float4 q4 = lds128(vfrag_addr(smem_u32(stb + Cfg::kV), run, wt));
+      const uint32_t w4[4] = {__float_as_uint(q4.x), __float_as_uint(q4.y), __float_as_uint(q4.z), __float_as_uint(q4.w)};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int i = 2 * (4 * run + e);
+        const float2 vv = unpack2<T>(w4[e]);
+        const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
+        const float s_ = sc[half_of(i)];
+        rZ16(i) = H(vv.x * s_ - eg.x * accY(i));
+        rZ16(i + 1) = H(vv.y * s_ - eg.y * accY(i + 1));
+      }
     }
-    // U^T = Z^T Tu^T.
+    // U^T = Z^T Tu^T (P^T may still be running).
     Tensor rTu = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
     warpgroup_fence_operand(rZ16);
     warpgroup_arrive();
@@ -277,19 +354,26 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_commit_batch();
     warpgroup_wait<0>();
     warpgroup_fence_operand(accY);
+    warpgroup_fence_operand(accP);
 
     // X^T = U^T diag(e^(Gamma - gamma)); U^T as fp16 (Z's registers).
     CUTE_UNROLL
-    for (int i = 0; i < size(accY); ++i) {
-      const int j = get<1>(cT(i));
-      rX16(i) = H(accY(i) * sEgk[j]);
+    for (int i = 0; i < size(accY); i += 2) {
+      const float2 ek = *reinterpret_cast<const float2*>(sEgk + get<1>(cT(i)));
+      rX16(i) = H(accY(i) * ek.x);
+      rX16(i + 1) = H(accY(i + 1) * ek.y);
       rZ16(i) = H(accY(i));
+      rZ16(i + 1) = H(accY(i + 1));
     }
-    // S^T = e^Gamma S^T + X^T K (in the new units), O^T = P^T diag(scale e^gamma) + U^T A^T.
+    // S^T = e^Gamma S^T + X^T K (in the new units), then O^T = P^T diag(scale e^gamma) + U^T A^T.
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) accS(i) *= f[half_of(i)] * eG;
     CUTE_UNROLL
-    for (int i = 0; i < size(accP); ++i) accP(i) *= p.scale * sEg[get<1>(cT(i))];
+    for (int i = 0; i < size(accP); i += 2) {
+      const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
+      accP(i) *= p.scale * eg.x;
+      accP(i + 1) *= p.scale * eg.y;
+    }
     Tensor rKs = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::DTok_MN{}));
     Tensor rAb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA)), typename LH::TokTok_K{}));
     warpgroup_fence_operand(rX16);
@@ -305,24 +389,27 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_fence_operand(accP);
     mbar_arrive(&empty[st]);  // every read of the stage is done
 
-    // O = O^T back in true units, transposed through shared memory (two buffers: a buffer is
-    // rewritten two chunks later, after every thread has passed the next chunk's barrier).
-    T* sO = reinterpret_cast<T*>(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch;
-    const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
-    CUTE_UNROLL
-    for (int i = 0; i < size(accP); ++i) {
-      const int r = get<0>(cT(i)), j = get<1>(cT(i));
-      sO[j * Cfg::kOPitch + r] = T(accP(i) * inv[half_of(i)]);
+    // O = O^T in true units, into staging buffer c & 1 by stmatrix.trans (rows = tokens), once
+    // the store threads have copied out its previous chunk (c - 2).
+    if (c >= 2) mbar_wait(&ofree[c & 1], ((c >> 1) - 1) & 1);
+    {
+      const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+      const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+      const uint32_t sO = smem_u32(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch * 2;
+      CUTE_UNROLL
+      for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
+        uint32_t r[4];
+        CUTE_UNROLL
+        for (int q = 0; q < 4; ++q) {
+          const int i = 4 * tb + 2 * q;
+          r[q] = pack2<T>(accP(i) * inv[half_of(i)], accP(i + 1) * inv[half_of(i)]);
+        }
+        // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
+        const int tok = 8 * (tb + (mtx >> 1)) + (lane & 7), v = 16 * w + 8 * (mtx & 1);
+        stmatrix_t4(sO + (tok * Cfg::kOPitch + v) * 2, r[0], r[1], r[2], r[3]);
+      }
     }
-    wg_bar(kBarMath);
-    const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
-    CUTE_UNROLL
-    for (int it = 0; it < kC * VT / 2 / 128; ++it) {
-      const int q = wt + 128 * it, j = q / (VT / 2), vp = q % (VT / 2);
-      if (j < rows)
-        *reinterpret_cast<uint32_t*>(ob + (t0 + static_cast<int64_t>(c) * kC + j) * p.so[1] + 2 * vp) =
-            *reinterpret_cast<const uint32_t*>(sO + j * Cfg::kOPitch + 2 * vp);
-    }
+    mbar_arrive(&oready[c & 1]);
   }
 
   if (p.hT) {
