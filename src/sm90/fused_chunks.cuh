@@ -8,8 +8,8 @@
 //   WG0 warps 1-3, output store: copy each chunk's O tile (transposed by the math warpgroup into
 //       one of two staging buffers, `oready` / `ofree`) to o.
 //   WG1 aux, running ahead of the chain: converts Q and K to fp16 in place (bf16 inputs; exact
-//       for l2-normalised q, k); rewrites the V tile in the math warpgroup's fragment order with
-//       each row's max |v|; A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
+//       for l2-normalised q, k); each V row's max |v| (for the math warpgroup's units);
+//       A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
 //       into the stage; then arrives on `aready`.
 //   WG2 math: the state held transposed, S^T (v, d), in fp32 wgmma accumulators; every product
 //       takes its left operand from registers (RS wgmma, fp16):
@@ -53,14 +53,50 @@ struct FusedCfg {
   static_assert(kRegionCopy % 16 == 0, "bulk copies move 16-byte multiples");
 };
 
+// Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
+// the math and aux warpgroups of the grid's first CTA, averaged over its chunks and printed at exit.
+#ifdef QLA_FUSED_PROFILE
+#define QLA_PHASES(n) long long ph_t[n] = {}; long long ph_p = clock64()
+#define QLA_PHASE(k) do { const long long t_ = clock64(); ph_t[k] += t_ - ph_p; ph_p = t_; } while (0)
+#define QLA_PHASES_PRINT(what, n, nch)                                                                  \
+  do {                                                                                                  \
+    if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
+      printf("%s cycles per chunk:", what);                                                            \
+      for (int k_ = 0; k_ < (n); ++k_) printf(" %lld", ph_t[k_] / (nch));                               \
+      printf("\n");                                                                                     \
+    }                                                                                                   \
+  } while (0)
+#else
+#define QLA_PHASES(n) do {} while (0)
+#define QLA_PHASE(k) do {} while (0)
+#define QLA_PHASES_PRINT(what, n, nch) do {} while (0)
+#endif
+
 // Named barriers (0 is __syncthreads).
 constexpr int kBarAux = 2;
 
-// The math warpgroup's V^T fragment: thread t's 16 pairs (row v, tokens j, j + 1), one pair per
-// even accumulator element of a 64 x 64 tile, stored by the aux warpgroup as four 16-byte runs
-// per thread, run-major (conflict-free for both).
-__device__ __forceinline__ uint32_t vfrag_addr(uint32_t base, int run, int t) { return base + 16u * (run * 128 + t); }
+// The V^T (v, tok) pairs of math thread wt (warp w rows 16 w .. 16 w + 15), one per even
+// accumulator element of a 64 x 64 tile: ldmatrix.trans of the TMA-loaded V tile (tok, v), whose
+// 8 x 8 blocks it reads by rows of 16 bytes. vp[2 tb + q] holds elements 4 tb + 2 q, + 1.
+template <class T>
+__device__ __forceinline__ void load_vt_pairs(const T* sV, int wt, uint32_t (&vp)[16]) {
+  Tensor tV = make_tensor(make_smem_ptr(sV), typename Lay<T>::TokTok_K{});
+  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+  CUTE_UNROLL
+  for (int tb = 0; tb < 8; tb += 2) {
+    // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
+    const uint32_t a = smem_u32(&tV(8 * (tb + (mtx >> 1)) + (lane & 7), 16 * w + 8 * (mtx & 1)));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(vp[2 * tb]), "=r"(vp[2 * tb + 1]), "=r"(vp[2 * tb + 2]), "=r"(vp[2 * tb + 3])
+                 : "r"(a));
+  }
+}
 
+__device__ __forceinline__ void stmatrix4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
 // Four 8 x 8 blocks of 16-bit pairs stored transposed (rows of the memory image = columns of the
 // fragment): the O^T (v, tok) accumulator pairs become rows of o's (tok, v) layout.
 __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
@@ -177,6 +213,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     // The math warpgroup's (v, tok) coordinates of thread wt (its layout, evaluated here).
     auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});
     Tensor cT = mmaT.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    QLA_PHASES(4);  // wait, V max + conversion, Q K^T, A image
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
@@ -184,18 +221,16 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       H* sA = reinterpret_cast<H*>(stb + Cfg::kA);
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvGam);
       mbar_wait(&full[c % kStages], parity(c));
-      // V^T pairs of the math thread wt and its rows' max |v| (the four threads of a quad share
-      // rows), read before the tile is overwritten in fragment order below.
-      uint32_t vp[16];
+      QLA_PHASE(0);
+      // Max |v| of the math thread wt's two rows (the four threads of a quad share rows).
       {
-        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename Lay<T>::TokTok_K{});
+        uint32_t vp[16];
+        load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
         float vm[2] = {0.f, 0.f};
         CUTE_UNROLL
         for (int k = 0; k < 16; ++k) {
-          const int r = get<0>(cT(2 * k)), j = get<1>(cT(2 * k));
-          const float a = static_cast<float>(tV(j, r)), bb = static_cast<float>(tV(j + 1, r));
-          vp[k] = pack2<T>(a, bb);  // exact: a, bb are T values
-          vm[k & 1] = fmaxf(vm[k & 1], fmaxf(fabsf(a), fabsf(bb)));
+          const float2 a = unpack2<T>(vp[k]);
+          vm[k & 1] = fmaxf(vm[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
         }
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
@@ -220,11 +255,9 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
           sts128(a, u);
         }
         fence_async_smem();
+        wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
       }
-      wg_bar(kBarAux);  // every thread's conversions done (the wgmma reads them), V read
-      CUTE_UNROLL
-      for (int run = 0; run < 4; ++run)
-        sts128(vfrag_addr(smem_u32(stb + Cfg::kV), run, wt), make_uint4(vp[4 * run], vp[4 * run + 1], vp[4 * run + 2], vp[4 * run + 3]));
+      QLA_PHASE(1);
       Tensor rQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
       Tensor rK = thr.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
       warpgroup_fence_operand(acc);
@@ -233,23 +266,34 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
+      QLA_PHASE(2);
       // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
       // clamped difference, no overflow). Elements i, i + 1 are columns c, c + 1 of one row.
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
       Tensor tA = make_tensor(make_smem_ptr(sA), typename LH::TokTok_K{});
+      const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        const int r = get<0>(cc(i)), j = get<1>(cc(i));
-        const float gr = sGam[r];
-        const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-        const float sr = r < len ? p.scale : 0.f;
-        const float a0 = r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f;
-        const float a1 = r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f;
-        *reinterpret_cast<uint32_t*>(sA + static_cast<int>(&tA(r, j) - sA)) = pack2<H>(a0, a1);
+      for (int tb = 0; tb < 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
+        uint32_t rr[4];
+        CUTE_UNROLL
+        for (int q = 0; q < 4; ++q) {
+          const int i = 4 * tb + 2 * q, r = get<0>(cc(i)), j = get<1>(cc(i));
+          const float gr = sGam[r];
+          const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
+          const float sr = r < len ? p.scale : 0.f;
+          const float a0 = r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f;
+          const float a1 = r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f;
+          rr[q] = pack2<H>(a0, a1);
+        }
+        // Lane l addresses row l % 8 of block l / 8 = (row half mtx & 1, column block tb + mtx / 2):
+        // 16 contiguous bytes of the swizzled image.
+        stmatrix4(smem_u32(&tA(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
       }
       fence_async_smem();
       mbar_arrive(&aready[c % kStages]);
+      QLA_PHASE(3);
     }
+    QLA_PHASES_PRINT("aux (wait, V max + convert, QK^T, A image)", 4, nch);
     return;
   }
 
@@ -283,6 +327,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     accS(i) = p.h0 ? p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
   }
   int esc[2] = {0, 0};  // row v's units: 2^esc
+  QLA_PHASES(8);
 
   for (int c = 0; c < nch; ++c) {
     const int st = c % kStages;
@@ -294,13 +339,16 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax);
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
+    QLA_PHASE(0);
     const float eG = *reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEG);
 
     // Row units for this chunk: max |S| (current units) and max |V| (raw, from the aux), over
     // the four threads of a quad (they share rows).
-    float m[2] = {0.f, 0.f};
+    float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
     CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) m[half_of(i)] = fmaxf(m[half_of(i)], fabsf(accS(i)));
+    for (int i = 0; i < size(accS); ++i) m4[half_of(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[half_of(i)][(i & 1) | ((i >> 1) & 2)], fabsf(accS(i)));
+    const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
+                        fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
     float f[2], sc[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
@@ -316,6 +364,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     }
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
+    QLA_PHASE(1);
 
     // Y^T = S^T K^T, then P^T = S^T Q^T in its own group: Z waits for Y^T only.
     Tensor rKb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
@@ -328,24 +377,23 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_commit_batch();
     gemm_k(mmaT, rS16, rQb, accP, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
+    uint32_t vp[16];
+    load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
     warpgroup_wait<1>();
     warpgroup_fence_operand(accY);
+    QLA_PHASE(2);
 
-    // Z^T = V^T - Y^T diag(e^gamma), in the row units (V^T pairs in fragment order).
+    // Z^T = V^T - Y^T diag(e^gamma), in the row units.
     CUTE_UNROLL
-    for (int run = 0; run < 4; ++run) {
-      const float4 q4 = lds128(vfrag_addr(smem_u32(stb + Cfg::kV), run, wt));
-      const uint32_t w4[4] = {__float_as_uint(q4.x), __float_as_uint(q4.y), __float_as_uint(q4.z), __float_as_uint(q4.w)};
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int i = 2 * (4 * run + e);
-        const float2 vv = unpack2<T>(w4[e]);
-        const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
-        const float s_ = sc[half_of(i)];
-        rZ16(i) = H(vv.x * s_ - eg.x * accY(i));
-        rZ16(i + 1) = H(vv.y * s_ - eg.y * accY(i + 1));
-      }
+    for (int k = 0; k < 16; ++k) {
+      const int i = 2 * k;
+      const float2 vv = unpack2<T>(vp[k]);
+      const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
+      const float s_ = sc[half_of(i)];
+      rZ16(i) = H(vv.x * s_ - eg.x * accY(i));
+      rZ16(i + 1) = H(vv.y * s_ - eg.y * accY(i + 1));
     }
+    QLA_PHASE(3);
     // U^T = Z^T Tu^T (P^T may still be running).
     Tensor rTu = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
     warpgroup_fence_operand(rZ16);
@@ -355,6 +403,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_wait<0>();
     warpgroup_fence_operand(accY);
     warpgroup_fence_operand(accP);
+    QLA_PHASE(4);
 
     // X^T = U^T diag(e^(Gamma - gamma)); U^T as fp16 (Z's registers).
     CUTE_UNROLL
@@ -374,6 +423,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       accP(i) *= p.scale * eg.x;
       accP(i + 1) *= p.scale * eg.y;
     }
+    QLA_PHASE(5);
     Tensor rKs = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::DTok_MN{}));
     Tensor rAb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA)), typename LH::TokTok_K{}));
     warpgroup_fence_operand(rX16);
@@ -388,6 +438,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_fence_operand(accS);
     warpgroup_fence_operand(accP);
     mbar_arrive(&empty[st]);  // every read of the stage is done
+    QLA_PHASE(6);
 
     // O = O^T in true units, into staging buffer c & 1 by stmatrix.trans (rows = tokens), once
     // the store threads have copied out its previous chunk (c - 2).
@@ -410,7 +461,9 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       }
     }
     mbar_arrive(&oready[c & 1]);
+    QLA_PHASE(7);
   }
+  QLA_PHASES_PRINT("math (wait, units + S16, Y^T, Z, U^T + P^T, X + scales, S^T + O^T, O out)", 8, nch);
 
   if (p.hT) {
     const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];

@@ -673,6 +673,9 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreate(&stream));
   bool ok = true;
   if (profile_row >= 0) {
+#ifdef QLA_SM90_TEST_HOOKS
+    if (std::getenv("QLA_TEST_FUSED")) qla::sm90::set_test_fused(1);  // the fused forward instead
+#endif
     const Case c = bench_rows().at(profile_row);
     Problem P = make_problem(c);
     Dev D;
