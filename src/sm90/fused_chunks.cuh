@@ -32,21 +32,27 @@ namespace qla {
 namespace sm90 {
 namespace {
 
+// kMathWGs math warpgroups of 64 v rows each: V tile 64 (one) or 128 (two, sharing every load,
+// the aux's work and the producer).
+template <int kMathWGs>
 struct FusedCfg {
   static constexpr int kStages = 3;
-  static constexpr int kVT = 64;  // V columns per CTA
+  static constexpr int kVT = 64 * kMathWGs;  // V columns per CTA
+  static constexpr int kThreads = 128 * (2 + kMathWGs);
   // Stage (1 KiB aligned parts): Q | K (TMA, converted to fp16 in place) | V tile (TMA) |
   // Tu image + gates (one bulk copy of the region's first kRegionCopy bytes) | A image.
   static constexpr uint32_t kQ = 0, kK = kQKBytes, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2;
   static constexpr uint32_t kRegionCopy = kInvEG + 16;  // Tu image, gamma, e^gamma, e^(Gamma-gamma), e^Gamma
   static constexpr uint32_t kA = (kTu + kRegionCopy + 1023) & ~1023u;
-  static constexpr uint32_t kVmax = kA + kImgTokTok * 2;  // max |v| per row of the V tile, fp32 x 64
+  static constexpr uint32_t kVmax = kA + kImgTokTok * 2;  // max |v| per row of the V tile, fp32 x kVT
   static constexpr uint32_t kStageBytes = kVmax + 1024;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kRegionCopy;
-  // O staging, two buffers of [64 tok][kOPitch] elements (padded rows), then the mbarriers.
+  // O staging, kOBufs buffers of [64 tok][kOPitch] elements (padded rows; one buffer at V tile
+  // 128, for the smem limit), then the mbarriers.
   static constexpr int kOPitch = kVT + 8;
+  static constexpr int kOBufs = kMathWGs == 1 ? 2 : 1;
   static constexpr uint32_t kO = kStages * kStageBytes;
-  static constexpr uint32_t kBar = kO + 2 * kC * kOPitch * 2;
+  static constexpr uint32_t kBar = kO + kOBufs * kC * kOPitch * 2;
   static constexpr size_t kSmem = 1024 + kBar + (3 * kStages + 4) * 8;
   static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
@@ -61,9 +67,10 @@ struct FusedCfg {
 #define QLA_PHASES_PRINT(what, n, nch)                                                                  \
   do {                                                                                                  \
     if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
-      printf("%s cycles per chunk:", what);                                                            \
-      for (int k_ = 0; k_ < (n); ++k_) printf(" %lld", ph_t[k_] / (nch));                               \
-      printf("\n");                                                                                     \
+      long long a_[8] = {};                                                                             \
+      for (int k_ = 0; k_ < (n); ++k_) a_[k_] = ph_t[k_] / (nch);                                       \
+      printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", what,      \
+             int(threadIdx.x >> 7), a_[0], a_[1], a_[2], a_[3], a_[4], a_[5], a_[6], a_[7]);           \
     }                                                                                                   \
   } while (0)
 #else
@@ -110,9 +117,9 @@ __device__ __forceinline__ int float_exponent(float m) { return ((__float_as_int
 // 2^e for e in [-126, 127].
 __device__ __forceinline__ float pow2i(int e) { return __int_as_float((e + 127) << 23); }
 
-template <class T>
-__global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
-  using Cfg = FusedCfg;
+template <class T, int kMathWGs>
+__global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
+  using Cfg = FusedCfg<kMathWGs>;
   using H = cutlass::half_t;
   using LH = Lay<H>;
   constexpr int kStages = Cfg::kStages, VT = Cfg::kVT;
@@ -122,8 +129,8 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
   uint64_t* aready = full + kStages;
   uint64_t* empty = aready + kStages;
-  uint64_t* oready = empty + kStages;  // [2]: the staging buffer holds chunk c's O
-  uint64_t* ofree = oready + 2;        // [2]: the store threads have copied it out
+  uint64_t* oready = empty + kStages;  // [kOBufs]: the staging buffer holds chunk c's O
+  uint64_t* ofree = oready + 2;        // [kOBufs]: the store threads have copied it out
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
   const RecTile tile = rec_tile<VT>(p);
@@ -139,10 +146,10 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&aready[s], 128);
-      mbar_init(&empty[s], 128);
+      mbar_init(&empty[s], 128 * kMathWGs);
     }
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(&oready[s], 128);
+    for (int s = 0; s < Cfg::kOBufs; ++s) {
+      mbar_init(&oready[s], 128 * kMathWGs);
       mbar_init(&ofree[s], Cfg::kStoreThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -153,7 +160,10 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    // Register budgets (per thread): 40 / 160 / 232 with one math warpgroup, 32 / 112 / 184
+    // with two (the 64 Ki registers of the SM).
+    if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 32;" ::: "memory");
     if (wt >= 32) {
       // ---------------- output store (warps 1-3) ----------------
       const int st_t = wt - 32;
@@ -161,10 +171,11 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       // 16-byte stores when every row start is 16-byte aligned, else 4-byte ones.
       const bool vec = (reinterpret_cast<uintptr_t>(ob) & 15) == 0 && (p.so[1] & 7) == 0;
       for (int c = 0; c < nch; ++c) {
-        const T* sO = reinterpret_cast<const T*>(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch;
+        const int ob_i = c % Cfg::kOBufs;
+        const T* sO = reinterpret_cast<const T*>(sm + Cfg::kO) + ob_i * kC * Cfg::kOPitch;
         const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
         T* oc = ob + (t0 + static_cast<int64_t>(c) * kC) * p.so[1];
-        mbar_wait(&oready[c & 1], (c >> 1) & 1);
+        mbar_wait(&oready[ob_i], (c / Cfg::kOBufs) & 1);
         if (vec) {
           for (int q = st_t; q < rows * (VT / 8); q += Cfg::kStoreThreads) {
             const int j = q / (VT / 8), v8 = q % (VT / 8);
@@ -176,7 +187,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
             *reinterpret_cast<uint32_t*>(oc + j * p.so[1] + 2 * v2) = *reinterpret_cast<const uint32_t*>(sO + j * Cfg::kOPitch + 2 * v2);
           }
         }
-        mbar_arrive(&ofree[c & 1]);
+        mbar_arrive(&ofree[ob_i]);
       }
       return;
     }
@@ -196,7 +207,9 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
         tma_load_4d(dst + Cfg::kQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
         tma_load_4d(dst + Cfg::kK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &full[st]);
       }
-      tma_load_4d(dst + Cfg::kV, &p.tmv, vt * VT, hv, tok, bb, &full[st]);
+      CUTE_UNROLL
+      for (int h = 0; h < kMathWGs; ++h)  // one 64-column box per math warpgroup
+        tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
       bulk_g2s(dst + Cfg::kTu, regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kInvRegionBytes,
                Cfg::kRegionCopy, &full[st]);
     }
@@ -205,7 +218,8 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
 
   if (wg == 1) {
     // ---------------- aux: fp16 Q and K, the A image ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 112;" ::: "memory");
     auto mma = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto thr = mma.get_thread_slice(wt);
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
@@ -222,10 +236,12 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvGam);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      // Max |v| of the math thread wt's two rows (the four threads of a quad share rows).
-      {
+      // Max |v| of math thread wt's two rows in each math warpgroup's half (the four threads of a
+      // quad share rows).
+      CUTE_UNROLL
+      for (int mwh = 0; mwh < kMathWGs; ++mwh) {
         uint32_t vp[16];
-        load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
+        load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV) + mwh * kC * 64, wt, vp);
         float vm[2] = {0.f, 0.f};
         CUTE_UNROLL
         for (int k = 0; k < 16; ++k) {
@@ -236,7 +252,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
         for (int h = 0; h < 2; ++h) {
           vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 1));
           vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 2));
-          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[get<0>(cT(2 * h))] = vm[h];
+          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[64 * mwh + get<0>(cT(2 * h))] = vm[h];
         }
       }
       if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
@@ -298,7 +314,9 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   }
 
   // ---------------- math: the chain ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  else asm volatile("setmaxnreg.inc.sync.aligned.u32 184;" ::: "memory");
+  const int mw = wg - 2;  // this math warpgroup's 64 v rows of the tile
   auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // N = 64 tokens
   auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // N = 128 (d)
   auto thrT = mmaT.get_thread_slice(wt);
@@ -319,7 +337,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
   // Element i's row half: rows 16 w + lane / 4 (h = 0) and + 8 (h = 1).
   auto half_of = [](int i) { return (i >> 1) & 1; };
 
-  const int v0 = vt * VT;
+  const int v0 = vt * VT + 64 * mw;
   const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
   CUTE_UNROLL
   for (int i = 0; i < size(accS); ++i) {
@@ -336,7 +354,8 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
     const float* sEg = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEg);
     const float* sEgk = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEgk);
-    const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax);
+    const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax) + 64 * mw;
+    const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV) + mw * kC * 64;
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
     QLA_PHASE(0);
@@ -377,10 +396,10 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     warpgroup_commit_batch();
     gemm_k(mmaT, rS16, rQb, accP, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
-    uint32_t vp[16];
-    load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
     warpgroup_wait<1>();
     warpgroup_fence_operand(accY);
+    uint32_t vp[16];
+    load_vt_pairs(sV, wt, vp);
     QLA_PHASE(2);
 
     // Z^T = V^T - Y^T diag(e^gamma), in the row units.
@@ -440,13 +459,14 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
     mbar_arrive(&empty[st]);  // every read of the stage is done
     QLA_PHASE(6);
 
-    // O = O^T in true units, into staging buffer c & 1 by stmatrix.trans (rows = tokens), once
-    // the store threads have copied out its previous chunk (c - 2).
-    if (c >= 2) mbar_wait(&ofree[c & 1], ((c >> 1) - 1) & 1);
+    // O = O^T in true units, into staging buffer c % kOBufs by stmatrix.trans (rows = tokens,
+    // this warpgroup's 64 columns), once the store threads have copied out its previous chunk.
+    const int ob_i = c % Cfg::kOBufs, ob_use = c / Cfg::kOBufs;
+    if (ob_use >= 1) mbar_wait(&ofree[ob_i], (ob_use - 1) & 1);
     {
       const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
       const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
-      const uint32_t sO = smem_u32(sm + Cfg::kO) + (c & 1) * kC * Cfg::kOPitch * 2;
+      const uint32_t sO = smem_u32(sm + Cfg::kO) + (ob_i * kC * Cfg::kOPitch + 64 * mw) * 2;
       CUTE_UNROLL
       for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
         uint32_t r[4];
@@ -460,7 +480,7 @@ __global__ void __launch_bounds__(384, 1) gdn_fwd_chunks(const __grid_constant__
         stmatrix_t4(sO + (tok * Cfg::kOPitch + v) * 2, r[0], r[1], r[2], r[3]);
       }
     }
-    mbar_arrive(&oready[c & 1]);
+    mbar_arrive(&oready[ob_i]);
     QLA_PHASE(7);
   }
   QLA_PHASES_PRINT("math (wait, units + S16, Y^T, Z, U^T + P^T, X + scales, S^T + O^T, O out)", 8, nch);

@@ -52,7 +52,7 @@ int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
 int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
 int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
-int g_test_fused = 0;      // test builds only: 1 runs the fused forward (inverse + fused recurrence)
+int g_test_fused = 0;      // test builds only: 64 or 128 runs the fused forward (inverse + fused recurrence) at that V tile
 #endif
 
 struct WsLayout {
@@ -112,7 +112,7 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
 
 #ifdef QLA_SM90_TEST_HOOKS
 // Test builds only: the fused forward (docs/fused.md v2): chunk table, the inverse kernel into
-// `regions` (kInvRegionBytes each), then the fused recurrence at V tile 64, in stream order.
+// `regions` (kInvRegionBytes each), then the fused recurrence at V tile g_test_fused, in stream order.
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
                     int* table, void* regions, int sms) {
@@ -122,7 +122,9 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   const int64_t nregions = max_chunks(p) * HV;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg::kSmem),
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks)");
   gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
@@ -141,7 +143,10 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
   rp.scale = static_cast<float>(p.scale);
-  gdn_fwd_chunks<T><<<seq_grid(N, HV, kDV / FusedCfg::kVT), 384, FusedCfg::kSmem, stream>>>(rp);
+  if (g_test_fused == 128)
+    gdn_fwd_chunks<T, 2><<<seq_grid(N, HV, kDV / FusedCfg<2>::kVT), FusedCfg<2>::kThreads, FusedCfg<2>::kSmem, stream>>>(rp);
+  else
+    gdn_fwd_chunks<T, 1><<<seq_grid(N, HV, kDV / FusedCfg<1>::kVT), FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
   return Status::Ok();
 }

@@ -674,7 +674,7 @@ int main(int argc, char** argv) {
   bool ok = true;
   if (profile_row >= 0) {
 #ifdef QLA_SM90_TEST_HOOKS
-    if (std::getenv("QLA_TEST_FUSED")) qla::sm90::set_test_fused(1);  // the fused forward instead
+    if (std::getenv("QLA_TEST_FUSED")) qla::sm90::set_test_fused(std::atoi(std::getenv("QLA_TEST_FUSED")));  // the fused forward at V tile 64 / 128
 #endif
     const Case c = bench_rows().at(profile_row);
     Problem P = make_problem(c);
@@ -728,22 +728,27 @@ int main(int argc, char** argv) {
 
 #ifdef QLA_SM90_TEST_HOOKS
   if (do_fused) {
-    // The fused forward (inverse kernel + fused recurrence) on every case, then the bench rows
-    // beside the current path.
-    qla::sm90::set_test_fused(1);
-    std::printf("--- fused forward\n");
-    g_max_o = g_max_h = 0;
-    for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 2468 + i, stream, i == 1 || i == 4) && ok;
-    std::printf("fused: max o %.2e  max state %.2e\n", g_max_o, g_max_h);
+    // The fused forward (inverse kernel + fused recurrence) at both V tiles on every case, then
+    // the bench rows beside the current path.
+    for (int vt : {64, 128}) {
+      qla::sm90::set_test_fused(vt);
+      std::printf("--- fused forward, V tile %d\n", vt);
+      g_max_o = g_max_h = 0;
+      for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 2468 + i, stream, i == 1 || i == 4) && ok;
+      std::printf("fused V tile %d: max o %.2e  max state %.2e\n", vt, g_max_o, g_max_h);
+    }
     if (do_bench) {
       std::vector<Case> rows = bench_rows();
-      std::vector<double> tf(rows.size());
-      for (size_t i = 0; i < rows.size(); ++i) tf[i] = bench(rows[i], stream);
+      std::vector<double> t64(rows.size()), t128(rows.size());
+      qla::sm90::set_test_fused(64);
+      for (size_t i = 0; i < rows.size(); ++i) t64[i] = bench(rows[i], stream);
+      qla::sm90::set_test_fused(128);
+      for (size_t i = 0; i < rows.size(); ++i) t128[i] = bench(rows[i], stream);
       qla::sm90::set_test_fused(0);
       for (size_t i = 0; i < rows.size(); ++i) {
         const double t = bench(rows[i], stream);
-        std::printf("bench-fused %-30s fused %.3f ms  current %.3f ms  (%.2fx)\n", rows[i].name.c_str(), tf[i] * 1e3,
-                    t * 1e3, t / tf[i]);
+        std::printf("bench-fused %-30s V tile 64 %.3f ms  128 %.3f ms  current %.3f ms  (%.2fx)\n", rows[i].name.c_str(),
+                    t64[i] * 1e3, t128[i] * 1e3, t * 1e3, t / std::min(t64[i], t128[i]));
       }
     }
     qla::sm90::set_test_fused(0);
