@@ -1,18 +1,25 @@
-// sm90 (Hopper, sm_90a) forward backend of the Gated DeltaNet chunked prefill.
-// Three launches on p.stream, no host synchronisation (graph-capturable):
+// sm90 (Hopper, sm_90a) forward backend of the Gated DeltaNet chunked prefill. Two forwards,
+// chosen per call by use_fused() (the shape alone); both run three launches on p.stream with no
+// host synchronisation (graph-capturable):
+// The fused forward (docs/fused.md; >= 32 (sequence, value head) pairs):
 //   1. gdn_chunk_table: per-sequence chunk offsets (prefix sum of ceil(len/64)) and the check of
 //                       the device cu_seqlens, on device.
+//   2. gdn_fwd_inverse<T> (inverse.cuh): chunk-parallel, per (chunk, value head): gamma, K K^T,
+//                       Tu = (I + L)^-1 diag(beta) as an fp16 image and the gates, 9 KiB.
+//   3. gdn_fwd_chunks<T, 1 or 2> (fused_chunks.cuh): per (sequence, value head, V tile of 64 or
+//                       128), chunks in order: the state S^T in registers, Q K^T, the five
+//                       products in fp16 single pass with per-row power-of-two units, o.
+// The two-pass forward (fewer pairs, until sequences are split):
 //   2. gdn_prep<T>:     chunk-parallel, persistent, one warpgroup per (chunk, value head) region:
 //                       gamma, K K^T, Q K^T, Tm = (I+L)^-1, and the wgmma-ready operand images.
 //   3. the recurrence:  sequential over chunks per (sequence, value head, V tile of 32 or 64):
 //                       U = u - w S, O = diag(scale e^gamma) Q S + A U,
-//                       S = e^Gamma S + K^T diag(e^(Gamma-gamma)) U (all wgmma).
-// Precision: the wgmma operands that are not exact inputs (Tm, A, S, U, X) are split into
-// bf16/fp16 hi + lo parts (x = hi + lo to ~16 mantissa bits) except w (hi only); u and the gates
-// stay fp32. Plain 16-bit rounding of all intermediates cost ~3.4e-3 relative L2 on bf16 inputs.
+//                       S = e^Gamma S + K^T diag(e^(Gamma-gamma)) U (all wgmma), with the
+//                       operands that are not exact inputs (Tm, A, S, U, X) split into 16-bit
+//                       hi + lo parts except w.
 // This file holds the host side (checks, workspace layout, tensor maps, the launch decisions);
-// the kernels are in common.cuh (layouts, PTX helpers), prep.cuh (kernels 1, 2) and
-// recurrence.cuh (kernel 3). See src/sm90/README.md for the design and budgets.
+// the kernels are in common.cuh (layouts, PTX helpers), prep.cuh, inverse.cuh, recurrence.cuh
+// and fused_chunks.cuh. See src/sm90/README.md for the design and budgets.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -52,8 +59,23 @@ int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
 int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
 int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
-int g_test_fused = 0;      // test builds only: 64 or 128 runs the fused forward (inverse + fused recurrence) at that V tile
+int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
 #endif
+
+// Which forward runs (the one place that decides). The fused forward (inverse kernel + fused
+// recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs;
+// below that its one chain per pair leaves most SMs idle, and the two-pass forward's V tile 32
+// with the prep beside it is faster (2/8 at 1x32768: 0.86 against 1.10 ms; 16/16: 0.98 against
+// 1.14) until sequences are split (issue 13). Depends on the shape alone, so the workspace query
+// agrees with the launch.
+constexpr int64_t kFusedMinPairs = 32;
+bool use_fused(const GdnForwardParams& p) {
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_fused) return g_test_fused > 0;
+  if (g_test_vt || g_test_prec >= 0 || g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
+#endif
+  return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
+}
 
 struct WsLayout {
   size_t table = 0, ready = 0, regions = 0, total = 0;
@@ -67,7 +89,7 @@ WsLayout ws_layout(const GdnForwardParams& p) {
   w.table = 0;
   w.ready = up(4 * chunk_table_ints(N));  // after the chunk table; one int per (chunk, value head)
   w.regions = w.ready + up(4 * mc * HV);
-  w.total = w.regions + mc * HV * kRegionBytes;
+  w.total = w.regions + mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes);
   return w;
 }
 
@@ -84,6 +106,12 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_recur_ws)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
                "cudaFuncSetAttribute(gdn_recur)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
+               "cudaFuncSetAttribute(gdn_fwd_inverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
@@ -110,9 +138,12 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
   return rp;
 }
 
-#ifdef QLA_SM90_TEST_HOOKS
-// Test builds only: the fused forward (docs/fused.md v2): chunk table, the inverse kernel into
-// `regions` (kInvRegionBytes each), then the fused recurrence at V tile g_test_fused, in stream order.
+// The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
+// (kInvRegionBytes each), then the fused recurrence, in stream order. V tile 128 (two math
+// warpgroups sharing every load; a chunk step ~1.7x V tile 64's) once V tile 64 would need
+// more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
+// for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
+// sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
                     int* table, void* regions, int sms) {
@@ -120,12 +151,6 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
   const int64_t nregions = max_chunks(p) * HV;
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
-               "cudaFuncSetAttribute(gdn_fwd_inverse)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<1>::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_chunks)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_chunks)");
   gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
@@ -143,14 +168,17 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
   rp.scale = static_cast<float>(p.scale);
-  if (g_test_fused == 128)
+  bool vt128 = 2 * static_cast<int64_t>(N) * HV > sms && !(p.cu_seqlens.data && N < 4);
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_fused > 0) vt128 = g_test_fused == 128;
+#endif
+  if (vt128)
     gdn_fwd_chunks<T, 2><<<seq_grid(N, HV, kDV / FusedCfg<2>::kVT), FusedCfg<2>::kThreads, FusedCfg<2>::kSmem, stream>>>(rp);
   else
     gdn_fwd_chunks<T, 1><<<seq_grid(N, HV, kDV / FusedCfg<1>::kVT), FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
   return Status::Ok();
 }
-#endif
 
 template <class T>
 Status launch(const GdnForwardParams& p) {
@@ -201,9 +229,7 @@ Status launch(const GdnForwardParams& p) {
 #endif
   int* ready = reinterpret_cast<int*>(ws + wl.ready);
   const int64_t nregions = mc * HV;
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_fused) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
-#endif
+  if (use_fused(p)) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
 
   if (stages & 1) {
     gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0);
@@ -296,7 +322,11 @@ void set_test_precision(int bits) { g_test_prec = bits; }
 void set_test_stages(int bits) { g_test_stages = bits; }
 void set_test_vt(int vt) { g_test_vt = vt; }
 void set_test_overlap(int on) { g_test_overlap = on; }
-void set_test_fused(int on) { g_test_fused = on; }
+int set_test_fused(int mode) {
+  const int was = g_test_fused;
+  g_test_fused = mode;
+  return was;
+}
 size_t test_inverse_region_bytes() { return kInvRegionBytes; }
 void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
