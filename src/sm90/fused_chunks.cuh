@@ -39,14 +39,19 @@ struct FusedCfg {
   static constexpr int kStages = 3;
   static constexpr int kVT = 64 * kMathWGs;  // V columns per CTA
   static constexpr int kThreads = 128 * (2 + kMathWGs);
-  // Stage (1 KiB aligned parts): Q | K (TMA, converted to fp16 in place) | V tile (TMA) |
-  // Tu image + gates (one bulk copy of the region's first kRegionCopy bytes) | A image.
-  static constexpr uint32_t kQ = 0, kK = kQKBytes, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2;
-  static constexpr uint32_t kRegionCopy = kInvEG + 16;  // Tu image, gamma, e^gamma, e^(Gamma-gamma), e^Gamma
-  static constexpr uint32_t kA = (kTu + kRegionCopy + 1023) & ~1023u;
-  static constexpr uint32_t kVmax = kA + kImgTokTok * 2;  // max |v| per row of the V tile, fp32 x kVT
+  // Stage (1 KiB aligned parts):
+  //   K|Q  one 128-row operand (QK_K): rows 0-63 the chunk's K, 64-127 its Q (TMA; converted to
+  //        fp16 in place), so that [Y^T | P^T] = S^T [K; Q]^T is one N = 128 product;
+  //   V    the V tile (TMA, one 64-column box per math warpgroup);
+  //   Tu|W one 128-row operand (TW_K): rows 0-63 Tu (the region's image), 64-127 W = A Tu (the
+  //        aux), so that [U^T | (A U)^T] = Z^T [Tu; W]^T is one N = 128 product;
+  //   the region's gates, the V rows' max |v|.
+  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2;
+  static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;  // gamma, e^gamma, e^(Gamma-gamma), e^Gamma
+  static constexpr uint32_t kGateCopy = kInvEG + 16 - kInvGam;
+  static constexpr uint32_t kVmax = kGates + 1024;  // fp32 x kVT
   static constexpr uint32_t kStageBytes = kVmax + 1024;
-  static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kRegionCopy;
+  static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;
   // O staging, kOBufs buffers of [64 tok][kOPitch] elements (padded rows; one buffer at V tile
   // 128, for the smem limit), then the mbarriers.
   static constexpr int kOPitch = kVT + 8;
@@ -56,7 +61,7 @@ struct FusedCfg {
   static constexpr size_t kSmem = 1024 + kBar + (3 * kStages + 4) * 8;
   static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
-  static_assert(kRegionCopy % 16 == 0, "bulk copies move 16-byte multiples");
+  static_assert(kGateCopy % 16 == 0 && kGateCopy <= 1024, "bulk copies move 16-byte multiples");
 };
 
 // Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
@@ -78,6 +83,12 @@ struct FusedCfg {
 #define QLA_PHASE(k) do {} while (0)
 #define QLA_PHASES_PRINT(what, n, nch) do {} while (0)
 #endif
+
+// The stacked operands of a stage (see FusedCfg), fp16.
+using QK_K = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<_128, _128>{}));  // (row, d)
+using QK_MN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::half_t>{}, Shape<_128, _128>{},
+                                     Step<_2, _1>{}));  // (d, row): the same bytes
+using TW_K = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<_128, _64>{}));  // (row, j)
 
 // Named barriers (0 is __syncthreads).
 constexpr int kBarAux = 2;
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     // Register budgets (per thread): 40 / 160 / 232 with one math warpgroup, 32 / 112 / 184
     // with two (the 64 Ki registers of the SM).
     if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    else asm volatile("setmaxnreg.dec.sync.aligned.u32 32;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
     if (wt >= 32) {
       // ---------------- output store (warps 1-3) ----------------
       const int st_t = wt - 32;
@@ -204,40 +215,41 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_expect_tx(&full[st], Cfg::kTx);
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
-        tma_load_4d(dst + Cfg::kQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
-        tma_load_4d(dst + Cfg::kK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &full[st]);
+        // d-block h of the stacked operand: K's 64 rows, then Q's.
+        tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
       }
       CUTE_UNROLL
       for (int h = 0; h < kMathWGs; ++h)  // one 64-column box per math warpgroup
         tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
-      bulk_g2s(dst + Cfg::kTu, regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kInvRegionBytes,
-               Cfg::kRegionCopy, &full[st]);
+      const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kInvRegionBytes;
+      bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
+      bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
     }
     return;
   }
 
   if (wg == 1) {
-    // ---------------- aux: fp16 Q and K, the A image ----------------
+    // ---------------- aux: fp16 Q and K, the row maxima of V, W = A Tu ----------------
     if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
-    else asm volatile("setmaxnreg.dec.sync.aligned.u32 112;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
     auto mma = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
     auto thr = mma.get_thread_slice(wt);
-    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    auto thrW = mmaW.get_thread_slice(wt);
+    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
     Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
-    // The math warpgroup's (v, tok) coordinates of thread wt (its layout, evaluated here).
-    auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});
-    Tensor cT = mmaT.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
-    QLA_PHASES(4);  // wait, V max + conversion, Q K^T, A image
+    Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
+    QLA_PHASES(4);  // wait, V max + conversion, Q K^T, A and W
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
-      H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
-      H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
-      H* sA = reinterpret_cast<H*>(stb + Cfg::kA);
-      const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvGam);
+      H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
+      H* sTW = reinterpret_cast<H*>(stb + Cfg::kTW);
+      const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       // Max |v| of math thread wt's two rows in each math warpgroup's half (the four threads of a
-      // quad share rows).
+      // quad share rows; this thread's coordinates are the math warpgroup's: the same C layout).
       CUTE_UNROLL
       for (int mwh = 0; mwh < kMathWGs; ++mwh) {
         uint32_t vp[16];
@@ -252,14 +264,14 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         for (int h = 0; h < 2; ++h) {
           vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 1));
           vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 2));
-          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[64 * mwh + get<0>(cT(2 * h))] = vm[h];
+          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[64 * mwh + get<0>(cc(2 * h))] = vm[h];
         }
       }
       if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-        // Q and K are consecutive: 2 x 16 KiB, 16 runs of 8 elements per thread.
+        // K and Q: 32 KiB, 16 runs of 8 elements per thread.
         CUTE_UNROLL
         for (int it = 0; it < 16; ++it) {
-          const uint32_t a = smem_u32(stb + Cfg::kQ) + 16u * (wt + 128 * it);
+          const uint32_t a = smem_u32(stb + Cfg::kQK) + 16u * (wt + 128 * it);
           uint4 u;
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
           uint32_t* pu = &u.x;
@@ -274,8 +286,9 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
       }
       QLA_PHASE(1);
-      Tensor rQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
-      Tensor rK = thr.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
+      Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
+      Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
+      Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       gemm_k(mma, rQ, rK, acc, GMMA::ScaleOut::Zero);
@@ -284,55 +297,67 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       warpgroup_fence_operand(acc);
       QLA_PHASE(2);
       // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
-      // clamped difference, no overflow). Elements i, i + 1 are columns c, c + 1 of one row.
+      // clamped difference, no overflow), as fp16: W's register operand.
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
-      Tensor tA = make_tensor(make_smem_ptr(sA), typename LH::TokTok_K{});
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        const int r = get<0>(cc(i)), j = get<1>(cc(i));
+        const float gr = sGam[r];
+        const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
+        const float sr = r < len ? p.scale : 0.f;
+        rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
+        rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
+      }
+      // W = A Tu (B: the Tu image read as (j, j'), MN-major), into acc.
+      Tensor rTu = thrW.partition_fragment_B(make_tensor(make_smem_ptr(sTW), typename LH::TokTok_MN{}));
+      warpgroup_fence_operand(rA16);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      gemm_k(mmaW, rA16, rTu, acc, GMMA::ScaleOut::Zero);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      // W as fp16 into rows 64-127 of the Tu|W operand (stmatrix: lane l addresses row l % 8 of
+      // block l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes).
+      Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
       const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
       CUTE_UNROLL
       for (int tb = 0; tb < 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
         uint32_t rr[4];
         CUTE_UNROLL
-        for (int q = 0; q < 4; ++q) {
-          const int i = 4 * tb + 2 * q, r = get<0>(cc(i)), j = get<1>(cc(i));
-          const float gr = sGam[r];
-          const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-          const float sr = r < len ? p.scale : 0.f;
-          const float a0 = r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f;
-          const float a1 = r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f;
-          rr[q] = pack2<H>(a0, a1);
-        }
-        // Lane l addresses row l % 8 of block l / 8 = (row half mtx & 1, column block tb + mtx / 2):
-        // 16 contiguous bytes of the swizzled image.
-        stmatrix4(smem_u32(&tA(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
+        for (int q = 0; q < 4; ++q) rr[q] = pack2<H>(acc(4 * tb + 2 * q), acc(4 * tb + 2 * q + 1));
+        stmatrix4(smem_u32(&tW(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
       }
       fence_async_smem();
       mbar_arrive(&aready[c % kStages]);
       QLA_PHASE(3);
     }
-    QLA_PHASES_PRINT("aux (wait, V max + convert, QK^T, A image)", 4, nch);
+    QLA_PHASES_PRINT("aux (wait, V max + convert, QK^T, A and W)", 4, nch);
     return;
   }
 
   // ---------------- math: the chain ----------------
   if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
-  else asm volatile("setmaxnreg.inc.sync.aligned.u32 184;" ::: "memory");
+  else asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
   const int mw = wg - 2;  // this math warpgroup's 64 v rows of the tile
-  auto mmaT = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // N = 64 tokens
-  auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // N = 128 (d)
-  auto thrT = mmaT.get_thread_slice(wt);
+  auto mmaN = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});   // B = K|Q or Tu|W
+  auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = K as (d, tok)
+  auto thrN = mmaN.get_thread_slice(wt);
   auto thrS = mmaS.get_thread_slice(wt);
   Tensor accS = partition_fragment_C(mmaS, Shape<_64, _128>{});  // S^T (v, d), row v in units 2^esc_v
-  Tensor accY = partition_fragment_C(mmaT, Shape<_64, _64>{});   // Y^T, then U^T
-  Tensor accP = partition_fragment_C(mmaT, Shape<_64, _64>{});   // P^T, then O^T
+  // [Y^T | P^T], then [U^T | O^T]: elements 0-31 are the left 64 columns, 32-63 the right ones,
+  // with the same (v, tok) for i and i + 32.
+  Tensor accT = partition_fragment_C(mmaN, Shape<_64, _128>{});
   Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_64, _128>{}));
-  Tensor cT = thrT.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  Tensor cT = thrN.partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  constexpr int kHalf = 32;
   // Register A operands (fp16). The accumulator of a 64 x N product and the A fragment of a
   // K = N product list a thread's elements in the same order (CLayout_64xN, ALayout_64x16), so
   // element i of the one becomes element i of the other.
   Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});
-  Tensor rZ16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // Z^T, then U^T
+  Tensor rZ16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // Z^T
   Tensor rX16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});
-  static_assert(size(decltype(accS){}) == size(decltype(rS16){}) && size(decltype(accY){}) == size(decltype(rZ16){}),
+  static_assert(size(decltype(accS){}) == size(decltype(rS16){}) && size(decltype(accT){}) == 2 * size(decltype(rZ16){}),
                 "A operands are the accumulators' elements");
   // Element i's row half: rows 16 w + lane / 4 (h = 0) and + 8 (h = 1).
   auto half_of = [](int i) { return (i >> 1) & 1; };
@@ -350,16 +375,17 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   for (int c = 0; c < nch; ++c) {
     const int st = c % kStages;
     uint8_t* stb = stage(c);
-    H* sQ = reinterpret_cast<H*>(stb + Cfg::kQ);
-    H* sK = reinterpret_cast<H*>(stb + Cfg::kK);
-    const float* sEg = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEg);
-    const float* sEgk = reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEgk);
+    H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
+    H* sTW = reinterpret_cast<H*>(stb + Cfg::kTW);
+    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kGates);
+    const float* sEg = sG + (kInvEg - kInvGam) / 4;
+    const float* sEgk = sG + (kInvEgk - kInvGam) / 4;
     const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax) + 64 * mw;
     const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV) + mw * kC * 64;
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
     QLA_PHASE(0);
-    const float eG = *reinterpret_cast<const float*>(stb + Cfg::kTu + kInvEG);
+    const float eG = sG[(kInvEG - kInvGam) / 4];
 
     // Row units for this chunk: max |S| (current units) and max |V| (raw, from the aux), over
     // the four threads of a quad (they share rows).
@@ -385,82 +411,66 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
     QLA_PHASE(1);
 
-    // Y^T = S^T K^T, then P^T = S^T Q^T in its own group: Z waits for Y^T only.
-    Tensor rKb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::TokD_K{}));
-    Tensor rQb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(sQ), typename LH::TokD_K{}));
+    // [Y^T | P^T] = S^T [K; Q]^T.
+    Tensor rKQ = thrN.partition_fragment_B(make_tensor(make_smem_ptr(sQK), QK_K{}));
     warpgroup_fence_operand(rS16);
-    warpgroup_fence_operand(accY);
-    warpgroup_fence_operand(accP);
+    warpgroup_fence_operand(accT);
     warpgroup_arrive();
-    gemm_k(mmaT, rS16, rKb, accY, GMMA::ScaleOut::Zero);
+    gemm_k(mmaN, rS16, rKQ, accT, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
-    gemm_k(mmaT, rS16, rQb, accP, GMMA::ScaleOut::Zero);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accY);
-    uint32_t vp[16];
-    load_vt_pairs(sV, wt, vp);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accT);
     QLA_PHASE(2);
+    uint32_t vp[16];  // after the wait: S's fp16 copy is dead (the register budget at V tile 128)
+    load_vt_pairs(sV, wt, vp);
 
-    // Z^T = V^T - Y^T diag(e^gamma), in the row units.
+    // Z^T = V^T - Y^T diag(e^gamma), in the row units; then the left half becomes 0 and the
+    // right one P^T diag(scale e^gamma), which the next product adds to.
     CUTE_UNROLL
     for (int k = 0; k < 16; ++k) {
       const int i = 2 * k;
       const float2 vv = unpack2<T>(vp[k]);
       const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
       const float s_ = sc[half_of(i)];
-      rZ16(i) = H(vv.x * s_ - eg.x * accY(i));
-      rZ16(i + 1) = H(vv.y * s_ - eg.y * accY(i + 1));
+      rZ16(i) = H(vv.x * s_ - eg.x * accT(i));
+      rZ16(i + 1) = H(vv.y * s_ - eg.y * accT(i + 1));
+      accT(i) *= 0.f;  // not a constant: the accumulator keeps its own registers (Y^T is finite)
+      accT(i + 1) *= 0.f;
+      accT(kHalf + i) *= p.scale * eg.x;
+      accT(kHalf + i + 1) *= p.scale * eg.y;
     }
     QLA_PHASE(3);
-    // U^T = Z^T Tu^T (P^T may still be running).
-    Tensor rTu = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+    // [U^T | O^T] = [0 | P^T diag(scale e^gamma)] + Z^T [Tu; W]^T, W = A Tu (the aux): U^T A^T = Z^T W^T.
+    Tensor rTW = thrN.partition_fragment_B(make_tensor(make_smem_ptr(sTW), TW_K{}));
     warpgroup_fence_operand(rZ16);
+    warpgroup_fence_operand(accT);
     warpgroup_arrive();
-    gemm_k(mmaT, rZ16, rTu, accY, GMMA::ScaleOut::Zero);
+    gemm_k(mmaN, rZ16, rTW, accT, GMMA::ScaleOut::One);
     warpgroup_commit_batch();
     warpgroup_wait<0>();
-    warpgroup_fence_operand(accY);
-    warpgroup_fence_operand(accP);
+    warpgroup_fence_operand(accT);
     QLA_PHASE(4);
 
-    // X^T = U^T diag(e^(Gamma - gamma)); U^T as fp16 (Z's registers).
+    // X^T = U^T diag(e^(Gamma - gamma)); S^T = e^Gamma S^T + X^T K in the new units.
     CUTE_UNROLL
-    for (int i = 0; i < size(accY); i += 2) {
+    for (int i = 0; i < kHalf; i += 2) {
       const float2 ek = *reinterpret_cast<const float2*>(sEgk + get<1>(cT(i)));
-      rX16(i) = H(accY(i) * ek.x);
-      rX16(i + 1) = H(accY(i + 1) * ek.y);
-      rZ16(i) = H(accY(i));
-      rZ16(i + 1) = H(accY(i + 1));
+      rX16(i) = H(accT(i) * ek.x);
+      rX16(i + 1) = H(accT(i + 1) * ek.y);
     }
-    // S^T = e^Gamma S^T + X^T K (in the new units), then O^T = P^T diag(scale e^gamma) + U^T A^T.
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) accS(i) *= f[half_of(i)] * eG;
-    CUTE_UNROLL
-    for (int i = 0; i < size(accP); i += 2) {
-      const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
-      accP(i) *= p.scale * eg.x;
-      accP(i + 1) *= p.scale * eg.y;
-    }
     QLA_PHASE(5);
-    Tensor rKs = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sK), typename LH::DTok_MN{}));
-    Tensor rAb = thrT.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA)), typename LH::TokTok_K{}));
+    Tensor rKs = thrS.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_MN{}), Shape<_128, _64>{}, make_coord(0, 0)));
     warpgroup_fence_operand(rX16);
-    warpgroup_fence_operand(rZ16);
     warpgroup_fence_operand(accS);
-    warpgroup_fence_operand(accP);
     warpgroup_arrive();
     gemm_k(mmaS, rX16, rKs, accS, GMMA::ScaleOut::One);
-    gemm_k(mmaT, rZ16, rAb, accP, GMMA::ScaleOut::One);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accS);
-    warpgroup_fence_operand(accP);
-    mbar_arrive(&empty[st]);  // every read of the stage is done
-    QLA_PHASE(6);
 
-    // O = O^T in true units, into staging buffer c % kOBufs by stmatrix.trans (rows = tokens,
-    // this warpgroup's 64 columns), once the store threads have copied out its previous chunk.
+    // While S^T updates: O = O^T in true units into staging buffer c % kOBufs by
+    // stmatrix.trans (rows = tokens, this warpgroup's 64 columns), once the store threads have
+    // copied out its previous chunk.
     const int ob_i = c % Cfg::kOBufs, ob_use = c / Cfg::kOBufs;
     if (ob_use >= 1) mbar_wait(&ofree[ob_i], (ob_use - 1) & 1);
     {
@@ -468,12 +478,12 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
       const uint32_t sO = smem_u32(sm + Cfg::kO) + (ob_i * kC * Cfg::kOPitch + 64 * mw) * 2;
       CUTE_UNROLL
-      for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
+      for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators 32 + 4 tb .. + 7
         uint32_t r[4];
         CUTE_UNROLL
         for (int q = 0; q < 4; ++q) {
-          const int i = 4 * tb + 2 * q;
-          r[q] = pack2<T>(accP(i) * inv[half_of(i)], accP(i + 1) * inv[half_of(i)]);
+          const int i = kHalf + 4 * tb + 2 * q;
+          r[q] = pack2<T>(accT(i) * inv[half_of(i)], accT(i + 1) * inv[half_of(i)]);
         }
         // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
         const int tok = 8 * (tb + (mtx >> 1)) + (lane & 7), v = 16 * w + 8 * (mtx & 1);
@@ -481,9 +491,13 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       }
     }
     mbar_arrive(&oready[ob_i]);
+    QLA_PHASE(6);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS);
+    mbar_arrive(&empty[st]);  // every read of the stage is done
     QLA_PHASE(7);
   }
-  QLA_PHASES_PRINT("math (wait, units + S16, Y^T, Z, U^T + P^T, X + scales, S^T + O^T, O out)", 8, nch);
+  QLA_PHASES_PRINT("math (wait, units + S16, [Y|P], Z, [U|O], X + scale, O out, S^T)", 8, nch);
 
   if (p.hT) {
     const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
