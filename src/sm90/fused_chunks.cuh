@@ -45,12 +45,11 @@ struct FusedCfg {
   //   V    the V tile (TMA, one 64-column box per math warpgroup);
   //   Tu|W one 128-row operand (TW_K): rows 0-63 Tu (the region's image), 64-127 W = A Tu (the
   //        aux), so that [U^T | (A U)^T] = Z^T [Tu; W]^T is one N = 128 product;
-  //   the region's gates, the V rows' max |v|.
+  //   the region's gates.
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2;
   static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;  // gamma, e^gamma, e^(Gamma-gamma), e^Gamma
   static constexpr uint32_t kGateCopy = kInvEG + 16 - kInvGam;
-  static constexpr uint32_t kVmax = kGates + 1024;  // fp32 x kVT
-  static constexpr uint32_t kStageBytes = kVmax + 1024;
+  static constexpr uint32_t kStageBytes = kGates + 1024;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;
   // O staging, kOBufs buffers of [64 tok][kOPitch] elements (padded rows; one buffer at V tile
   // 128, for the smem limit), then the mbarriers.
@@ -230,7 +229,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   }
 
   if (wg == 1) {
-    // ---------------- aux: fp16 Q and K, the row maxima of V, W = A Tu ----------------
+    // ---------------- aux: fp16 Q and K, W = A Tu ----------------
     if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
     auto mma = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
@@ -240,7 +239,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
     Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
     Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
-    QLA_PHASES(4);  // wait, V max + conversion, Q K^T, A and W
+    QLA_PHASES(4);  // wait, conversion, Q K^T, A and W
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
@@ -248,25 +247,6 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      // Max |v| of math thread wt's two rows in each math warpgroup's half (the four threads of a
-      // quad share rows; this thread's coordinates are the math warpgroup's: the same C layout).
-      CUTE_UNROLL
-      for (int mwh = 0; mwh < kMathWGs; ++mwh) {
-        uint32_t vp[16];
-        load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV) + mwh * kC * 64, wt, vp);
-        float vm[2] = {0.f, 0.f};
-        CUTE_UNROLL
-        for (int k = 0; k < 16; ++k) {
-          const float2 a = unpack2<T>(vp[k]);
-          vm[k & 1] = fmaxf(vm[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
-        }
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 1));
-          vm[h] = fmaxf(vm[h], __shfl_xor_sync(0xffffffffu, vm[h], 2));
-          if ((wt & 3) == 0) reinterpret_cast<float*>(stb + Cfg::kVmax)[64 * mwh + get<0>(cc(2 * h))] = vm[h];
-        }
-      }
       if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
         // K and Q: 32 KiB, 16 runs of 8 elements per thread.
         CUTE_UNROLL
@@ -332,7 +312,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_arrive(&aready[c % kStages]);
       QLA_PHASE(3);
     }
-    QLA_PHASES_PRINT("aux (wait, V max + convert, QK^T, A and W)", 4, nch);
+    QLA_PHASES_PRINT("aux (wait, convert, QK^T, A and W)", 4, nch);
     return;
   }
 
@@ -380,24 +360,32 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kGates);
     const float* sEg = sG + (kInvEg - kInvGam) / 4;
     const float* sEgk = sG + (kInvEgk - kInvGam) / 4;
-    const float* sVmax = reinterpret_cast<const float*>(stb + Cfg::kVmax) + 64 * mw;
     const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV) + mw * kC * 64;
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
     QLA_PHASE(0);
     const float eG = sG[(kInvEG - kInvGam) / 4];
 
-    // Row units for this chunk: max |S| (current units) and max |V| (raw, from the aux), over
-    // the four threads of a quad (they share rows).
+    // This thread's V^T pairs (ldmatrix.trans of the TMA tile; Z below uses them).
+    uint32_t vp[16];
+    load_vt_pairs(sV, wt, vp);
+    // Row units for this chunk: max |S| (current units) and max |V| (raw), over the four
+    // threads of a quad (they share rows).
     float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) m4[half_of(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[half_of(i)][(i & 1) | ((i >> 1) & 2)], fabsf(accS(i)));
+    float mv[2] = {0.f, 0.f};
+    CUTE_UNROLL
+    for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1, row half k & 1
+      const float2 a = unpack2<T>(vp[k]);
+      mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
+    }
     const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
                         fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
     float f[2], sc[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      float mm = fmaxf(m[h], sVmax[get<0>(cT(2 * h))] * pow2i(esc[h]));
+      float mm = fmaxf(m[h], mv[h] * pow2i(esc[h]));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
       // New units put the row max in [2^8, 2^9); a zero row keeps its units.
@@ -421,8 +409,6 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     warpgroup_wait<0>();
     warpgroup_fence_operand(accT);
     QLA_PHASE(2);
-    uint32_t vp[16];  // after the wait: S's fp16 copy is dead (the register budget at V tile 128)
-    load_vt_pairs(sV, wt, vp);
 
     // Z^T = V^T - Y^T diag(e^gamma), in the row units; then the left half becomes 0 and the
     // right one P^T diag(scale e^gamma), which the next product adds to.
