@@ -382,21 +382,30 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     }
     const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
                         fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
+    // The fp16 copy of S in the current units, issued before the units are checked: they
+    // change only when a row's max leaves [2^6, 2^10) (then it is put back in [2^8, 2^9)), so
+    // in the common case nothing waits for the quad reduction below.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));
     float f[2], sc[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       float mm = fmaxf(m[h], mv[h] * pow2i(esc[h]));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
-      // New units put the row max in [2^8, 2^9); a zero row keeps its units.
-      const int de = mm > 0.f ? max(-126, min(127, 8 - float_exponent(mm))) : 0;
+      // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
+      // <= sqrt(128) 2^10 for l2-normalised keys.
+      const int ex = float_exponent(mm);
+      const int de = mm > 0.f && (ex < 6 || ex >= 10) ? max(-126, min(127, 8 - ex)) : 0;
       const int ne = max(-120, min(120, esc[h] + de));
       f[h] = pow2i(ne - esc[h]);
       esc[h] = ne;
       sc[h] = pow2i(ne);
     }
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
+    if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // new units in this warp: redo the copy
+      CUTE_UNROLL
+      for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
+    }
     QLA_PHASE(1);
 
     // [Y^T | P^T] = S^T [K; Q]^T.
