@@ -161,7 +161,7 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
     pp.tmk = tmk;
     pp.regions = regions;
     const unsigned grid = static_cast<unsigned>(
-        std::max<int64_t>(1, std::min<int64_t>(sms, (nregions + kInvWarpgroups - 1) / kInvWarpgroups)));
+        std::max<int64_t>(1, std::min<int64_t>(sms, (nregions / (HV / p.shape.num_qk_heads) + kInvWarpgroups - 1) / kInvWarpgroups)));
     gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   }
@@ -304,7 +304,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   pp.regions = regions;
   pp.skip = g_test_inverse_skip;
   const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (nregions + kInvWarpgroups - 1) / kInvWarpgroups)));
+      std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (max_chunks(p) * p.shape.num_qk_heads + kInvWarpgroups - 1) / kInvWarpgroups)));
   gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   return Status::Ok();

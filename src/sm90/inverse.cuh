@@ -48,27 +48,33 @@ struct InvRegion {
   float g, beta;
 };
 
-__device__ __forceinline__ InvRegion inverse_issue(const PrepParams& p, uint8_t* sK, uint64_t* bar, int tid, int r) {
+// The warpgroups' work items are (chunk, key head): one K tile and one K K^T serve the key
+// head's HV / H value heads (regions), taken one after the other.
+__device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid, int item, int gi) {
   InvRegion q;
-  q.ci = r / p.HV;
-  q.hv = r % p.HV;
+  q.ci = item / p.H;
+  q.hv = (item % p.H) * (p.HV / p.H) + gi;
   region_tokens(p, q.ci, q.b, q.t0, q.len);
-  if (tid == 0) {  // the K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0)
+  q.g = q.beta = 0.f;
+  if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
+  return q;
+}
+// The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
+__device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK, uint64_t* bar, int tid, const InvRegion& q) {
+  if (tid == 0) {
     const int hq = q.hv / (p.HV / p.H);
     mbar_expect_tx(bar, kQKBytes);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h)
       tma_load_4d(sK + h * kQKBytes / 2, &p.tmk, h * 64, hq, static_cast<int>(q.t0), static_cast<int>(q.b), bar);
   }
-  q.g = q.beta = 0.f;
-  if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
-  return q;
 }
 
-// One region, its loads issued earlier (inverse_issue) into the stage sK / bar.
-template <class T>
+// One region, its loads issued earlier into the stage sK / bar. first: the item's first value
+// head, which waits for K and computes K K^T into kk (kept for the item's other value heads).
+template <class T, class Acc>
 __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, uint8_t* sKb, int tid, int barid,
-                                               uint64_t* bar, uint32_t phase, const InvRegion& q) {
+                                               uint64_t* bar, uint32_t phase, const InvRegion& q, bool first, Acc& kk) {
   using L = Lay<T>;
   using H = Lay<cutlass::half_t>;
   T* sK = reinterpret_cast<T*>(sKb);
@@ -98,34 +104,36 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     reinterpret_cast<float*>(regb + kInvEG)[0] = expf(gam_last);
   }
 
-  Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
-  mbar_wait(bar, phase);
+  auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  auto thr = mma.get_thread_slice(tid);
+  if (first) {
+    Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
+    mbar_wait(bar, phase);
+    if (!(p.skip & 4)) {
+      Tensor rKa = thr.partition_fragment_A(tK);
+      Tensor rKb = thr.partition_fragment_B(tK);
+      warpgroup_fence_operand(kk);
+      warpgroup_arrive();
+      gemm_k(mma, rKa, rKb, kk, GMMA::ScaleOut::Zero);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(kk);
+    }
+  }
   if (!(p.skip & 4)) {
-    auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
-    auto thr = mma.get_thread_slice(tid);
-    Tensor rKa = thr.partition_fragment_A(tK);
-    Tensor rKb = thr.partition_fragment_B(tK);
-    Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    gemm_k(mma, rKa, rKb, acc, GMMA::ScaleOut::Zero);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-
     // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
+    for (int i = 0; i < size(kk); i += 2) {
       const int r = get<0>(cc(i)), c = get<1>(cc(i));
       const float gr = sGam[r], br = sBeta[r];
       const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
       const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
       *reinterpret_cast<float2*>(sL + r * kLd + c) =
-          make_float2(r > c ? br * x0 * acc(i) : 0.f, r > c + 1 ? br * x1 * acc(i + 1) : 0.f);
+          make_float2(r > c ? br * x0 * kk(i) : 0.f, r > c + 1 ? br * x1 * kk(i + 1) : 0.f);
     }
   }
-  wg_bar(barid);  // L complete; every warp's K K^T has retired, so K's bytes are free
+  wg_bar(barid);  // L complete; every warp's K K^T has retired (kk holds it), so K's bytes are free
   if (!(p.skip & 2)) {
     invert_diagonal_blocks(sL, sT, warp, lane);
     wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
@@ -166,9 +174,9 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   }
 }
 
-// Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the regions
-// chunk-major (all heads of chunk 0 first), each issuing the next region's loads before it
-// computes the current one.
+// Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the (chunk, key
+// head) items chunk-major, each taking the item's value heads in turn (one K tile and one K K^T
+// for all of them) and issuing the next loads before it computes the current region.
 template <class T>
 __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -184,18 +192,32 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   wg_bar(1 + wg);
-  const int nreg = p.chunk_off[p.N] * p.HV;
+  const int nitems = p.chunk_off[p.N] * p.H, G = p.HV / p.H;
   const int stride = gridDim.x * kInvWarpgroups;
-  int r = blockIdx.x * kInvWarpgroups + wg;
+  int it = blockIdx.x * kInvWarpgroups + wg;
+  auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+  Tensor kk = partition_fragment_C(mma, Shape<_64, _64>{});  // the item's K K^T
   InvRegion cur{};
-  if (r < nreg) cur = inverse_issue(p, sm + kInvK, bar, tid, r);
-  for (int k = 0; r < nreg; r += stride, ++k) {
+  if (it < nitems) {
+    cur = inverse_gates(p, tid, it, 0);
+    inverse_load_k(p, sm + kInvK, bar, tid, cur);
+  }
+  for (int k = 0; it < nitems; it += stride, ++k) {
     const int s = k & 1;
-    InvRegion next{};
-    // Stage s ^ 1 last held region k - 1's image, whose store has been read (inverse_region's end).
-    if (r + stride < nreg) next = inverse_issue(p, sm + kInvK + (s ^ 1) * 16384, bar + (s ^ 1), tid, r + stride);
-    inverse_region<T>(p, sm, sm + kInvK + s * 16384, tid, 1 + wg, bar + s, (k >> 1) & 1, cur);
-    cur = next;
+    const bool more = it + stride < nitems;
+    for (int gi = 0; gi < G; ++gi) {
+      // Loads ahead: the next value head's gates, or the next item's K tile (into stage s ^ 1,
+      // whose last image store has been read: inverse_region's end) and its first gates.
+      InvRegion next{};
+      if (gi + 1 < G) {
+        next = inverse_gates(p, tid, it, gi + 1);
+      } else if (more) {
+        next = inverse_gates(p, tid, it + stride, 0);
+        inverse_load_k(p, sm + kInvK + (s ^ 1) * 16384, bar + (s ^ 1), tid, next);
+      }
+      inverse_region<T>(p, sm, sm + kInvK + s * 16384, tid, 1 + wg, bar + s, (k >> 1) & 1, cur, gi == 0, kk);
+      cur = next;
+    }
   }
 }
 
