@@ -95,9 +95,10 @@ def test_many_sequences_of_mixed_lengths_over_several_waves():
 
 
 def test_two_identical_calls_give_identical_bits():
-    # Bitwise deterministic: no floating-point atomics, a fixed reduction order. Both V tiles'
-    # paths (two sequences: V tile 32; many: V tile 64) and several waves.
-    for lens, H, HV in (([3000, 700], 2, 8), (_mixed_lengths(40, 22, 600), 4, 16)):
+    # Bitwise deterministic: no floating-point atomics, a fixed reduction order. Both forwards
+    # and all their tiles: two-pass (16 pairs: V tile 32), fused at V tile 64 (two sequences,
+    # 64 pairs) and at V tile 128 (640 pairs, several waves).
+    for lens, H, HV in (([3000, 700], 2, 8), ([3000, 700], 8, 32), (_mixed_lengths(40, 22, 600), 4, 16)):
         x = _inputs(lens, H, HV, "mild", seed=22, zero_heads=True)
         run = lambda: qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                  initial_state=x["initial_state"], output_final_state=True,
@@ -108,7 +109,8 @@ def test_two_identical_calls_give_identical_bits():
 
 
 def test_two_uneven_sequences_many_heads():
-    # V tile 32 with more CTAs than SMs (2 x 48 x 4): the long sequence's CTAs go first.
+    # The fused forward at V tile 64 (two sequences, 96 pairs: more CTAs than SMs): the long
+    # sequence's CTAs go first.
     e_o, e_h = _check(_inputs([130, 700], 16, 48, "mild", seed=21))
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
