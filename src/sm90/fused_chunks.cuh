@@ -1,28 +1,29 @@
-// The fused forward's kernel 2 of 2 (docs/fused.md v2, step 2): the recurrence with its output,
-// V tile 64. It reads q, k, v directly (TMA) and the inverse kernel's regions (Tu image and gates,
-// inverse.cuh); nothing per chunk goes back to global memory but o.
+// The fused forward's kernel 2 of 2 (docs/fused.md): the recurrence with its output. It reads
+// q, k, v directly (TMA) and the inverse kernel's regions (Tu image and gates, inverse.cuh);
+// nothing per chunk goes back to global memory but o.
 //
-// One CTA per (sequence, value head, V tile of 64), chunks in order, three warpgroups:
-//   WG0 warp 0, producer (one thread): TMA of Q, K (64 x 128), the V tile (64 x 64) and a bulk
-//       copy of the chunk's region (Tu image + gates) into a kStages ring (`full` / `empty`).
-//   WG0 warps 1-3, output store: copy each chunk's O tile (transposed by the math warpgroup into
-//       one of two staging buffers, `oready` / `ofree`) to o.
-//   WG1 aux, running ahead of the chain: converts Q and K to fp16 in place (bf16 inputs; exact
-//       for l2-normalised q, k); each V row's max |v| (for the math warpgroup's units);
-//       A = scale e^(gamma_i - gamma_j) Q K^T (i >= j) as an fp16 image
-//       into the stage; then arrives on `aready`.
-//   WG2 math: the state held transposed, S^T (v, d), in fp32 wgmma accumulators; every product
-//       takes its left operand from registers (RS wgmma, fp16):
-//         Y^T = S^T K^T, P^T = S^T Q^T                       (64 x 64 x 128)
-//         U^T = Z^T Tu^T, Z^T = V^T - Y^T diag(e^gamma)      (64 x 64 x 64)
-//         O^T = P^T diag(scale e^gamma) + U^T A^T            (64 x 64 x 64)
-//         S^T = e^Gamma S^T + X^T K, X^T = U^T diag(e^(Gamma - gamma))  (64 x 128 x 64)
-//       Y^T waits alone (P^T runs under Z's arithmetic); O^T leaves by stmatrix.trans.
+// One CTA per (sequence, value head, V tile of 64 kMathWGs), chunks in order, 2 + kMathWGs
+// warpgroups:
+//   WG0 warp 0, producer (one thread): TMA of K and Q (stacked, 128 x 128), the V tile and bulk
+//       copies of the chunk's region (Tu image, gates) into a kStages ring (`full` / `empty`).
+//   WG0 warps 1-3, output store: copy each chunk's O tile (transposed by the math warpgroups
+//       into a staging buffer, `oready` / `ofree`) to o.
+//   WG1 aux, running ahead of the chain: converts K and Q to fp16 in place (bf16 inputs; exact
+//       for l2-normalised q, k); A = scale e^(gamma_i - gamma_j) Q K^T (i >= j), then
+//       W = A Tu as an fp16 image under Tu; then arrives on `aready`.
+//   WG2.. math, 64 v rows each: the state held transposed, S^T (v, d), in fp32 wgmma
+//       accumulators; every product takes its left operand from registers (RS wgmma, fp16),
+//       all with N = 128:
+//         [Y^T | P^T] = S^T [K; Q]^T                                        (64 x 128 x 128)
+//         Z^T = V^T - Y^T diag(e^gamma)
+//         [U^T | O^T] = [0 | P^T diag(scale e^gamma)] + Z^T [Tu; W]^T         (64 x 128 x 64)
+//           (U^T A^T = Z^T Tu^T A^T = Z^T W^T)
+//         S^T = e^Gamma S^T + X^T K, X^T = U^T diag(e^(Gamma - gamma))        (64 x 128 x 64)
+//       O leaves by stmatrix.trans while S^T updates.
 // fp16 range: every value-side quantity (S, Z, U, X, O) is linear in (v, h0), and each v row of
 // S^T is independent of the others, so row v is carried in units of 2^esc_v (an exact power of
-// two, set per chunk from the row's max |S| and |V| so that it sits in [2^8, 2^9)); the fp16
-// copies are then far from overflow for any input scale, and o and the final state are scaled
-// back on the way out.
+// two, changed when the row's max |S| or |V| leaves [2^6, 2^10)); the fp16 copies are then far
+// from overflow for any input scale, and o and the final state are scaled back on the way out.
 #pragma once
 
 #include "inverse.cuh"
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    // Register budgets (per thread): 40 / 160 / 232 with one math warpgroup, 32 / 112 / 184
+    // Register budgets (per thread): 40 / 160 / 232 with one math warpgroup, 24 / 88 / 200
     // with two (the 64 Ki registers of the SM).
     if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
