@@ -65,8 +65,8 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 // Which forward runs (the one place that decides). The fused forward (inverse kernel + fused
 // recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs;
 // below that its one chain per pair leaves most SMs idle, and the two-pass forward's V tile 32
-// with the prep beside it is faster (2/8 at 1x32768: 0.86 against 1.10 ms; 16/16: 0.98 against
-// 1.14) until sequences are split (issue 13). Depends on the shape alone, so the workspace query
+// with the prep beside it is faster (2/8 at 1x32768: 0.86 against 1.02 ms; 16/16: 0.97 against
+// 1.10) until sequences are split (issue 13). Depends on the shape alone, so the workspace query
 // agrees with the launch.
 constexpr int64_t kFusedMinPairs = 32;
 bool use_fused(const GdnForwardParams& p) {
@@ -140,7 +140,7 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
 
 // The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
 // (kInvRegionBytes each), then the fused recurrence, in stream order. V tile 128 (two math
-// warpgroups sharing every load; a chunk step ~1.7x V tile 64's) once V tile 64 would need
+// warpgroups sharing every load; a chunk step ~1.5x V tile 64's) once V tile 64 would need
 // more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
 // for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
 // sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
@@ -203,7 +203,9 @@ Status launch(const GdnForwardParams& p) {
 
   const SeqDesc sd = seq_desc(p);
   int* table = reinterpret_cast<int*>(ws + wl.table);
+  if (use_fused(p)) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
 
+  // The two-pass forward.
   int stages = 3;
 #ifdef QLA_SM90_TEST_HOOKS
   stages = g_test_stages;
@@ -229,7 +231,6 @@ Status launch(const GdnForwardParams& p) {
 #endif
   int* ready = reinterpret_cast<int*>(ws + wl.ready);
   const int64_t nregions = mc * HV;
-  if (use_fused(p)) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
 
   if (stages & 1) {
     gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0);
