@@ -50,7 +50,7 @@ with torch.no_grad():
 from qla import _ops  # noqa: E402
 
 scale = K ** -0.5
-impl = lambda: _ops.forward_impl(q, k, v, g, beta, scale, h0, cu, True, False)
+impl = lambda: _ops.forward_impl(q, k, v, g, beta, scale, h0, cu, True, False, False)
 o = torch.empty(1, T, HV, K, dtype=q.dtype, device=dev)
 ht = torch.empty(1, HV, K, K, device=dev)
 shape = (1, T, H, HV, K, K)
@@ -59,7 +59,7 @@ descs = (_ops._desc(q), _ops._desc(k), _ops._desc(v), _ops._desc(g), _ops._desc(
 ws_bytes = _ops._C.forward_workspace_size(shape, *descs, scale, 0, 1)
 ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev)
 stream = torch._C._cuda_getCurrentRawStream(0)
-binding = lambda: _ops._C.forward(shape, *descs, scale, 0, 1, stream, ws.data_ptr(), ws_bytes, 0)
+binding = lambda: _ops._C.forward(shape, *descs, scale, 0, 1, stream, ws.data_ptr(), ws_bytes, 0, False)
 with torch.no_grad():
     print(f"breakdown: _ops.forward_impl (no API checks):          {host_us(impl):.1f} us")
     print(f"breakdown: _C.forward alone (C++ checks + 3 launches):  {host_us(binding):.1f} us")

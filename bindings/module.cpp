@@ -126,10 +126,12 @@ NB_MODULE(_C, m) {
       "forward",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
-         int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads) {
+         int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads,
+         bool qk_l2_normalized) {
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
                                 workspace, workspace_bytes);
         p.num_threads = num_threads;
+        p.qk_l2_normalized = qk_l2_normalized;
         qla::Status s;
         {
           nb::gil_scoped_release release;  // the CPU backend runs for long; let other threads go

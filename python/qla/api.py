@@ -223,7 +223,7 @@ def chunk_gated_delta_rule_fwd(
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
-        o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+        o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False)
     return o, (ht if output_final_state else None)
 
 
@@ -360,5 +360,6 @@ def chunk_gated_delta_rule(
     if q.numel() == 0 or v.numel() == 0:
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
-    o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first)
+    o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
+                use_qk_l2norm_in_kernel)
     return o, (ht if output_final_state else None)

@@ -351,6 +351,10 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 
 constexpr float kLog2e = 1.4426950408889634f;
 // 2^x on the special-function unit (relative error ~2^-22; flushes results below 2^-126 to 0).
+// Exponent of a positive finite float (unbiased; subnormals count as -127).
+__device__ __forceinline__ int float_exponent(float m) { return ((__float_as_int(m) >> 23) & 255) - 127; }
+// 2^e for e in [-126, 127].
+__device__ __forceinline__ float pow2i(int e) { return __int_as_float((e + 127) << 23); }
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

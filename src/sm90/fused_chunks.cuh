@@ -8,9 +8,10 @@
 //       copies of the chunk's region (Tu image, gates) into a kStages ring (`full` / `empty`).
 //   WG0 warps 1-3, output store: copy each chunk's O tile (transposed by the math warpgroups
 //       into a staging buffer, `oready` / `ofree`) to o.
-//   WG1 aux, running ahead of the chain: converts K and Q to fp16 in place (bf16 inputs; exact
-//       for l2-normalised q, k); A = scale e^(gamma_i - gamma_j) Q K^T (i >= j), then
-//       W = A Tu as an fp16 image under Tu; then arrives on `aready`.
+//   WG1 aux, running ahead of the chain: scales K and Q rows by powers of two (exponents from
+//       the inverse kernel, row norms near 1) and converts them to fp16 in place;
+//       A = scale e^(gamma_i - gamma_j) Q K^T (i >= j), then W = A Tu as an fp16 image under Tu;
+//       then arrives on `aready`.
 //   WG2.. math, 64 v rows each: the state held transposed, S^T (v, d), in fp32 wgmma
 //       accumulators; every product takes its left operand from registers (RS wgmma, fp16),
 //       all with N = 128:
@@ -24,6 +25,11 @@
 // S^T is independent of the others, so row v is carried in units of 2^esc_v (an exact power of
 // two, changed when the row's max |S| or |V| leaves [2^6, 2^10)); the fp16 copies are then far
 // from overflow for any input scale, and o and the final state are scaled back on the way out.
+// The same for q and k (use_qk_l2norm_in_kernel=False): per token, K' = diag(2^ek) K and
+// Q' = diag(2^eq) Q (exponents from the inverse kernel) have row norms near 1, and the inverse
+// kernel's image is Tu' = 2^et diag(2^-ek) Tu; the exact powers of two cancel in S's update and
+// leave O in per-token units 2^(eq + et), undone on the way out; the window also bounds
+// |S| max|k|. Keys and queries of any norm keep fp16's precision and range.
 #pragma once
 
 #include "inverse.cuh"
@@ -46,11 +52,14 @@ struct FusedCfg {
   //   V    the V tile (TMA, one 64-column box per math warpgroup);
   //   Tu|W one 128-row operand (TW_K): rows 0-63 Tu (the region's image), 64-127 W = A Tu (the
   //        aux), so that [U^T | (A U)^T] = Z^T [Tu; W]^T is one N = 128 product;
-  //   the region's gates.
+  //   the region's gates and key exponents (inverse.cuh), then the aux's per-token factors for
+  //   the math warpgroups (fp32 x 64 each): Z's e^gamma 2^-ek, P's scale e^gamma 2^et and O's
+  //   way back 2^-(eq + et) (see the aux).
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2;
-  static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;  // gamma, e^gamma, e^(Gamma-gamma), e^Gamma
-  static constexpr uint32_t kGateCopy = kInvEG + 16 - kInvGam;
-  static constexpr uint32_t kStageBytes = kGates + 1024;
+  static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;
+  static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
+  static constexpr uint32_t kEgZ = kGates + 1024, kEgP = kEgZ + kC * 4, kInvTok = kEgP + kC * 4;
+  static constexpr uint32_t kStageBytes = kGates + 2048;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;
   // O staging, kOBufs buffers of [64 tok][kOPitch] elements (padded rows; one buffer at V tile
   // 128, for the smem limit), then the mbarriers.
@@ -61,7 +70,7 @@ struct FusedCfg {
   static constexpr size_t kSmem = 1024 + kBar + (3 * kStages + 4) * 8;
   static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
-  static_assert(kGateCopy % 16 == 0 && kGateCopy <= 1024, "bulk copies move 16-byte multiples");
+  static_assert(kGateCopy <= 1024 && kInvTok + kC * 4 <= kStageBytes, "stage parts overlap");
 };
 
 // Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
@@ -122,11 +131,6 @@ __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t
                "r"(r2), "r"(r3)
                : "memory");
 }
-
-// Exponent of a positive finite float (unbiased; subnormals count as -127).
-__device__ __forceinline__ int float_exponent(float m) { return ((__float_as_int(m) >> 23) & 255) - 127; }
-// 2^e for e in [-126, 127].
-__device__ __forceinline__ float pow2i(int e) { return __int_as_float((e + 127) << 23); }
 
 template <class T, int kMathWGs>
 __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
     Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
     Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
-    QLA_PHASES(4);  // wait, conversion, Q K^T, A and W
+    QLA_PHASES(6);  // wait, exponents, conversion, factors, Q K^T, A and W
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
@@ -248,25 +252,85 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-        // K and Q: 32 KiB, 16 runs of 8 elements per thread.
+      // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
+      // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
+      // Y below stay in range, whatever the inputs' norms (ek = eq = 0 for l2-normalised q, k).
+      // Thread wt holds runs wt + 128 it: row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for
+      // it & 7 < 4, Q rows after.
+      {
+        const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
+        const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
+        const int et = *reinterpret_cast<const int*>(stb + Cfg::kGates + (kInvTuExp - kInvGam));
+        const int r0 = wt >> 3;
+        const uint32_t base = smem_u32(stb + Cfg::kQK) + 16u * wt;
+        auto run_addr = [&](int it) { return base + 16u * 128u * it; };
+        int ex[8];  // it & 7 -> the row's exponent
+        bool unit = true;
         CUTE_UNROLL
-        for (int it = 0; it < 16; ++it) {
-          const uint32_t a = smem_u32(stb + Cfg::kQK) + 16u * (wt + 128 * it);
-          uint4 u;
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
-          uint32_t* pu = &u.x;
-          CUTE_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = unpack2<cutlass::bfloat16_t>(pu[e]);
-            pu[e] = pack2<H>(f.x, f.y);
-          }
-          sts128(a, u);
+        for (int r = 0; r < 4; ++r) {
+          ex[r] = kexp[r0 + 16 * r];
+          ex[4 + r] = qexp[r0 + 16 * r];
+          unit = unit && ex[r] == 0 && ex[4 + r] == 0;
         }
-        fence_async_smem();
+        const bool scaled = !__all_sync(0xffffffffu, unit);
+        QLA_PHASE(1);
+        // In place to fp16 (bf16 inputs always, fp16 ones when a scale is not 1), eight runs'
+        // loads issued together. Scaling by 2^e is exact: bf16x2 multiplies (bf16 has fp32's
+        // range), fp32 ones for fp16 inputs. Two copies of the loop: the unscaled one (unit-norm
+        // q and k) issues no multiplies at all.
+        auto convert_all = [&](auto with_scale) {
+          constexpr bool kScale = decltype(with_scale)::value;
+          uint32_t sc2[8];  // 2^e per row, as bf16x2
+          CUTE_UNROLL
+          for (int r = 0; r < 8; ++r) {
+            const uint32_t b = static_cast<uint32_t>(ex[r] + 127) << 7;
+            sc2[r] = b | (b << 16);
+          }
+          CUTE_UNROLL
+          for (int hb = 0; hb < 2; ++hb) {
+            uint4 u[8];
+            CUTE_UNROLL
+            for (int r = 0; r < 8; ++r)
+              asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                           : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(run_addr(8 * hb + r)));
+            CUTE_UNROLL
+            for (int r = 0; r < 8; ++r) {
+              uint32_t* pu = &u[r].x;
+              CUTE_UNROLL
+              for (int i = 0; i < 4; ++i) {
+                if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+                  if constexpr (kScale) asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(pu[i]) : "r"(sc2[r]));
+                  const float2 f = unpack2<T>(pu[i]);
+                  pu[i] = pack2<H>(f.x, f.y);
+                } else {
+                  const float2 f = unpack2<T>(pu[i]);
+                  const float sc = pow2i(ex[r]);
+                  pu[i] = pack2<H>(f.x * sc, f.y * sc);
+                }
+              }
+              sts128(run_addr(8 * hb + r), u[r]);
+            }
+          }
+        };
+        if (scaled) convert_all(std::true_type{});
+        else if constexpr (!std::is_same_v<T, H>) convert_all(std::false_type{});
+        QLA_PHASE(2);
+        // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
+        // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
+        // 2^-et) is S's update. O holds 2^(eq + et) O: W' = A' Tu' with A' = diag(2^eq) A
+        // diag(2^ek) (from Q', K'), so P (2^eq P) takes scale e^gamma 2^et.
+        if (wt < kC) {
+          reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et));
+          float* g = reinterpret_cast<float*>(stb + Cfg::kGates);
+          const float eg = g[(kInvEg - kInvGam) / 4 + wt];
+          reinterpret_cast<float*>(stb + Cfg::kEgZ)[wt] = eg * pow2i(-kexp[wt]);
+          reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et);
+          g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
+        }
+        fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
         wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
       }
-      QLA_PHASE(1);
+      QLA_PHASE(3);
       Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
       Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
       Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
@@ -276,7 +340,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      QLA_PHASE(2);
+      QLA_PHASE(4);
       // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
       // clamped difference, no overflow), as fp16: W's register operand.
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
@@ -311,9 +375,9 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       }
       fence_async_smem();
       mbar_arrive(&aready[c % kStages]);
-      QLA_PHASE(3);
+      QLA_PHASE(5);
     }
-    QLA_PHASES_PRINT("aux (wait, convert, QK^T, A and W)", 4, nch);
+    QLA_PHASES_PRINT("aux (wait, exponents, convert, factors, QK^T, A and W)", 6, nch);
     return;
   }
 
@@ -359,13 +423,16 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
     H* sTW = reinterpret_cast<H*>(stb + Cfg::kTW);
     const float* sG = reinterpret_cast<const float*>(stb + Cfg::kGates);
-    const float* sEg = sG + (kInvEg - kInvGam) / 4;
+    const float* sEgZ = reinterpret_cast<const float*>(stb + Cfg::kEgZ);  // the aux's factors
+    const float* sEgP = reinterpret_cast<const float*>(stb + Cfg::kEgP);
+    const float* sInvTok = reinterpret_cast<const float*>(stb + Cfg::kInvTok);
     const float* sEgk = sG + (kInvEgk - kInvGam) / 4;
     const T* sV = reinterpret_cast<const T*>(stb + Cfg::kV) + mw * kC * 64;
     mbar_wait(&full[st], parity(c));
     mbar_wait(&aready[st], parity(c));
     QLA_PHASE(0);
     const float eG = sG[(kInvEG - kInvGam) / 4];
+    const float kn = sG[(kInvKn - kInvGam) / 4];  // bounds the chunk's key norms (>= 1)
 
     // This thread's V^T pairs (ldmatrix.trans of the TMA tile; Z below uses them).
     uint32_t vp[16];
@@ -391,11 +458,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     float f[2], sc[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      float mm = fmaxf(m[h], mv[h] * pow2i(esc[h]));
+      float mm = fmaxf(m[h] * kn, mv[h] * pow2i(esc[h]));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
       mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
       // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
-      // <= sqrt(128) 2^10 for l2-normalised keys.
+      // <= sqrt(2) kn sqrt(128) |S|max < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
       const int ex = float_exponent(mm);
       const int de = mm > 0.f && (ex < 6 || ex >= 10) ? max(-126, min(127, 8 - ex)) : 0;
       const int ne = max(-120, min(120, esc[h] + de));
@@ -420,20 +487,22 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     warpgroup_fence_operand(accT);
     QLA_PHASE(2);
 
-    // Z^T = V^T - Y^T diag(e^gamma), in the row units; then the left half becomes 0 and the
-    // right one P^T diag(scale e^gamma), which the next product adds to.
+    // Z^T = V^T - Y^T diag(e^gamma), in the row units (Y' = 2^ek Y: the aux's e^gamma 2^-ek);
+    // then the left half becomes 0 and the right one P^T diag(scale e^gamma) (in O's per-token
+    // units, the aux's factor), which the next product adds to.
     CUTE_UNROLL
     for (int k = 0; k < 16; ++k) {
       const int i = 2 * k;
       const float2 vv = unpack2<T>(vp[k]);
-      const float2 eg = *reinterpret_cast<const float2*>(sEg + get<1>(cT(i)));
+      const float2 eg = *reinterpret_cast<const float2*>(sEgZ + get<1>(cT(i)));
+      const float2 ep = *reinterpret_cast<const float2*>(sEgP + get<1>(cT(i)));
       const float s_ = sc[half_of(i)];
       rZ16(i) = H(vv.x * s_ - eg.x * accT(i));
       rZ16(i + 1) = H(vv.y * s_ - eg.y * accT(i + 1));
       accT(i) *= 0.f;  // not a constant: the accumulator keeps its own registers (Y^T is finite)
       accT(i + 1) *= 0.f;
-      accT(kHalf + i) *= p.scale * eg.x;
-      accT(kHalf + i + 1) *= p.scale * eg.y;
+      accT(kHalf + i) *= ep.x;
+      accT(kHalf + i + 1) *= ep.y;
     }
     QLA_PHASE(3);
     // [U^T | O^T] = [0 | P^T diag(scale e^gamma)] + Z^T [Tu; W]^T, W = A Tu (the aux): U^T A^T = Z^T W^T.
@@ -443,11 +512,16 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     warpgroup_arrive();
     gemm_k(mmaN, rZ16, rTW, accT, GMMA::ScaleOut::One);
     warpgroup_commit_batch();
+    // O's per-token factors (this thread's 8 token pairs), loaded while the product runs.
+    float2 inv_tok[8];
+    CUTE_UNROLL
+    for (int k = 0; k < 8; ++k) inv_tok[k] = *reinterpret_cast<const float2*>(sInvTok + get<1>(cT(4 * k)));
     warpgroup_wait<0>();
     warpgroup_fence_operand(accT);
     QLA_PHASE(4);
 
-    // X^T = U^T diag(e^(Gamma - gamma)); S^T = e^Gamma S^T + X^T K in the new units.
+    // X^T = U^T diag(e^(Gamma - gamma)); S^T = e^Gamma S^T + X^T K in the new units (the aux
+    // folded 2^-(2 ek + et) into e^(Gamma - gamma): X'^T K' is then S's update in units 2^esc).
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
       const float2 ek = *reinterpret_cast<const float2*>(sEgk + get<1>(cT(i)));
@@ -479,7 +553,8 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         CUTE_UNROLL
         for (int q = 0; q < 4; ++q) {
           const int i = kHalf + 4 * tb + 2 * q;
-          r[q] = pack2<T>(accT(i) * inv[half_of(i)], accT(i + 1) * inv[half_of(i)]);
+          const float2 it = inv_tok[(i - kHalf) >> 2];  // per token: elements 4 k .. 4 k + 3 share a pair
+          r[q] = pack2<T>(accT(i) * (inv[half_of(i)] * it.x), accT(i + 1) * (inv[half_of(i)] * it.y));
         }
         // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
         const int tok = 8 * (tb + (mtx >> 1)) + (lane & 7), v = 16 * w + 8 * (mtx & 1);

@@ -66,14 +66,17 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 // recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs;
 // below that its one chain per pair leaves most SMs idle, and the two-pass forward's V tile 32
 // with the prep beside it is faster (2/8 at 1x32768: 0.86 against 1.02 ms; 16/16: 0.97 against
-// 1.10) until sequences are split (issue 13). Depends on the shape alone, so the workspace query
-// agrees with the launch.
+// 1.10) until sequences are split (issue 13). fp16 inputs take the fused forward at any size
+// unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
+// keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
+// the params alone (no data), so the workspace query agrees with the launch.
 constexpr int64_t kFusedMinPairs = 32;
 bool use_fused(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused) return g_test_fused > 0;
   if (g_test_vt || g_test_prec >= 0 || g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
 #endif
+  if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
   return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
 }
 
@@ -158,6 +161,7 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   if (!s.ok()) return s;
   if (nregions > 0) {
     PrepParams pp = chunk_params(p, sd, N, table);
+    if (p.qk_l2_normalized) pp.q = nullptr;  // unit rows: the inverse kernel skips q's norms (eq = 0)
     pp.tmk = tmk;
     pp.regions = regions;
     const unsigned grid = static_cast<unsigned>(

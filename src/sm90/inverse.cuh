@@ -1,8 +1,7 @@
 // The fused forward's kernel 1 of 2 (docs/fused.md v2, step 1): the chunk-parallel inverse.
 // Per (chunk, value head) region it stores what the fused recurrence needs besides q, k, v:
 // Tu = (I + L)^-1 diag(beta) as an fp16 image and the chunk's gates. 9 KiB per region against
-// the prep's 65 KiB. Not yet used by the forward's launch path (the fused recurrence, step 2,
-// reads it); reached through a test hook.
+// the two-pass prep's 65 KiB. The fused recurrence (fused_chunks.cuh) reads it.
 #pragma once
 
 #include "prep.cuh"
@@ -19,22 +18,36 @@ namespace {
 //   kInvEg    e^gamma_i, fp32 x 64 (0 on padding)
 //   kInvEgk   e^(Gamma - gamma_i), fp32 x 64 (0 on padding)
 //   kInvEG    e^Gamma, fp32
+//   kInvTuExp et, int32, and kInvKn, fp32 (below)
+//   kInvKexp  ek_i, int8 x 64: 2^ek_i |k_i| in [2^-1/2, 2^1/2) (0 for a zero key and on padding)
+//   kInvQexp  eq_i, int8 x 64: the same for q_i (within a few percent: bf16 sums)
+// Keys far from unit norm (use_qk_l2norm_in_kernel=False) would leave fp16's range or
+// precision in the fused recurrence, so its operands are scaled by exact powers of two per
+// token: K' = diag(2^ek) K, and the image holds Tu' = 2^et diag(2^-ek) Tu, with et chosen so
+// that max_i |beta_i| 2^(et - ek_i) (the diagonal's largest entry) lies in [1/2, 1); kn =
+// max(1, max_i 2^-ek_i) bounds the chunk's key norms (the recurrence's fp16 window). For
+// l2-normalised keys ek = 0, kn = 1 and et = 0 (while some beta >= 1/2).
 constexpr uint32_t kInvImg = 0;
 constexpr uint32_t kInvGam = kImgTokTok * 2;
 constexpr uint32_t kInvEg = kInvGam + kC * 4;
 constexpr uint32_t kInvEgk = kInvEg + kC * 4;
 constexpr uint32_t kInvEG = kInvEgk + kC * 4;
+constexpr uint32_t kInvTuExp = kInvEG + 4, kInvKn = kInvEG + 8, kInvKexp = kInvEG + 16, kInvQexp = kInvKexp + kC;
+constexpr uint32_t kInvRegionTail = kInvQexp + kC;  // the last byte K2 copies, plus one
 constexpr size_t kInvRegionBytes = 9216;
-static_assert(kInvEG + 16 <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
+static_assert(kInvRegionTail <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
 
 // Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): two K stages
 // (TMA; the next region's tile lands while this one is inverted; a stage's bytes then take its
 // Tu image); L and Tm fp32 [64][kLd] (phase 2's scratch in L's upper blocks); gamma, beta;
-// one TMA mbarrier per stage.
+// one TMA mbarrier per stage; the key and query exponents (int32 x 64 each) and two warps'
+// reductions.
 constexpr uint32_t kInvK = 0, kInvL = 2 * 16384;
 constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
 constexpr uint32_t kInvMisc = kInvT + kC * kLd * 4;
-constexpr uint32_t kInvWGBytes = (kInvMisc + 2 * kC * 4 + 16 + 1023) & ~1023u;
+constexpr uint32_t kInvSKexp = kInvMisc + 2 * kC * 4 + 16, kInvSQexp = kInvSKexp + kC * 4;
+constexpr uint32_t kInvRed = kInvSQexp + kC * 4;
+constexpr uint32_t kInvWGBytes = (kInvRed + 16 + 1023) & ~1023u;
 constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarriers)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
 static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
@@ -46,6 +59,7 @@ struct InvRegion {
   int64_t b, t0;
   int len, ci, hv;
   float g, beta;
+  uint4 qv[8];  // the item's first value head: this thread's q runs (rows tid / 16 + 8 j)
 };
 
 // The warpgroups' work items are (chunk, key head): one K tile and one K K^T serve the key
@@ -57,6 +71,15 @@ __device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid,
   region_tokens(p, q.ci, q.b, q.t0, q.len);
   q.g = q.beta = 0.f;
   if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
+  if (gi == 0 && p.q) {  // q's rows, for their norms: 16 bytes (8 dims) per thread and row
+    const int hq = q.hv / (p.HV / p.H);
+    const uint8_t* base = static_cast<const uint8_t*>(p.q) + 2 * (q.b * p.sq[0] + q.t0 * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      const int row = (tid >> 4) + 8 * j;
+      q.qv[j] = row < q.len ? __ldg(reinterpret_cast<const uint4*>(base + 2 * row * p.sq[1])) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
   return q;
 }
 // The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
@@ -85,6 +108,43 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   const int warp = tid >> 5, lane = tid & 31;
   const int len = q.len;
 
+  int* sKexp = reinterpret_cast<int*>(sm + kInvSKexp);
+  int* sQexp = reinterpret_cast<int*>(sm + kInvSQexp);
+  if (first && !p.q) {
+    if (tid < kC) sQexp[tid] = 0;  // the caller's q rows have unit norm
+  } else if (first) {
+    // eq_i = -round(log2 |q_i|) (one per key head: its value heads reuse it). Squares summed
+    // as T pairs (bf16 sums: a few percent, enough to pick the power of two), then over the
+    // row's 16 lanes.
+    float x[8];
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t* pu = &q.qv[j].x;
+      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+        uint32_t acc = 0u;
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) asm("fma.rn.bf16x2 %0, %1, %1, %0;" : "+r"(acc) : "r"(pu[e]));
+        const float2 f = unpack2<T>(acc);
+        x[j] = f.x + f.y;
+      } else {
+        x[j] = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = unpack2<T>(pu[e]);
+          x[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, x[j]));
+        }
+      }
+    }
+    CUTE_UNROLL
+    for (int m = 1; m < 16; m <<= 1)
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) x[j] += __shfl_xor_sync(0xffffffffu, x[j], m);
+    if ((tid & 15) == 0)
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j)
+        sQexp[(tid >> 4) + 8 * j] = x[j] > 0.f ? max(-30, min(30, -(float_exponent(2.f * x[j]) >> 1))) : 0;
+  }
+  uint32_t* sRed = reinterpret_cast<uint32_t*>(sm + kInvRed);
   if (tid < kC) {
     sGam[tid] = warp_inclusive_sum(q.g);
     sBeta[tid] = q.beta;
@@ -131,9 +191,27 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
       *reinterpret_cast<float2*>(sL + r * kLd + c) =
           make_float2(r > c ? br * x0 * kk(i) : 0.f, r > c + 1 ? br * x1 * kk(i + 1) : 0.f);
+      // The diagonal's |k_r|^2: ek_r = -round(log2 |k_r|) = -floor(E / 2), E = the exponent of 2 |k_r|^2.
+      if (r == c || r == c + 1) {
+        const float k2 = r == c ? kk(i) : kk(i + 1);
+        sKexp[r] = r < len && k2 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k2) >> 1))) : 0;
+      }
     }
+  } else if (tid < kC) {
+    sKexp[tid] = 0;
   }
   wg_bar(barid);  // L complete; every warp's K K^T has retired (kk holds it), so K's bytes are free
+  if (tid < kC) {
+    // The image's exponent et and the norm bound kn: max over tokens of |beta_i| 2^-ek_i and of
+    // -ek_i (two warps, read after the barriers below).
+    const int e = sKexp[tid];
+    const uint32_t bm = __reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(sBeta[tid]) * pow2i(-e)));  // ints: same order
+    const int emin = __reduce_min_sync(0xffffffffu, e);
+    if (lane == 0) {
+      sRed[warp] = bm;
+      sRed[2 + warp] = static_cast<uint32_t>(emin + 64);
+    }
+  }
   if (!(p.skip & 2)) {
     invert_diagonal_blocks(sL, sT, warp, lane);
     wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
@@ -145,7 +223,12 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     return;
   }
 
-  // Tu = Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs of 8 columns.
+  // Tu' = 2^et diag(2^-ek) Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs
+  // of 8 columns.
+  const float beta_max = __uint_as_float(max(sRed[0], sRed[1]));
+  const int tu_exp = beta_max > 0.f ? max(-30, min(30, -1 - float_exponent(beta_max))) : 0;
+  const int ek_min = static_cast<int>(min(sRed[2], sRed[3])) - 64;
+  const float tu_scale = pow2i(tu_exp);
   cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sK);
   Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
   CUTE_UNROLL
@@ -153,11 +236,20 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     const int run = tid + 128 * it, i = run >> 3, j8 = (run & 7) * 8;
     float t[8];
     tm_run(sT, i, j8, t);
+    const float rf = tu_scale * pow2i(-sKexp[i]);
     uint4 u;
     uint32_t* pu = &u.x;
     CUTE_UNROLL
-    for (int e = 0; e < 8; e += 2) pu[e / 2] = pack2<cutlass::half_t>(t[e] * sBeta[j8 + e], t[e + 1] * sBeta[j8 + e + 1]);
+    for (int e = 0; e < 8; e += 2)
+      pu[e / 2] = pack2<cutlass::half_t>(t[e] * (sBeta[j8 + e] * rf), t[e + 1] * (sBeta[j8 + e + 1] * rf));
     sts128(smem_u32(sImg + static_cast<int>(&tImg(i, j8) - sImg)), u);
+  }
+  if (tid < kC) {
+    regb[kInvKexp + tid] = static_cast<uint8_t>(static_cast<int8_t>(sKexp[tid]));
+    regb[kInvQexp + tid] = static_cast<uint8_t>(static_cast<int8_t>(sQexp[tid]));
+  } else if (tid == kC) {
+    reinterpret_cast<int*>(regb + kInvTuExp)[0] = tu_exp;
+    reinterpret_cast<float*>(regb + kInvKn)[0] = pow2i(max(0, -ek_min));
   }
   fence_async_smem();
   wg_bar(barid);

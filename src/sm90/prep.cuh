@@ -150,6 +150,8 @@ struct PrepParams {
   void* tm;       // backward: Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; else null
   float scale;
   int skip;       // the inverse kernel's test hook only (0 otherwise): stages left out, to time the others
+  const void* q;  // the inverse kernel: q's row norms (16-byte loads; element strides B, T, H)
+  int64_t sq[3];
 };
 
 // Host side: the sequences of a call, and what the chunk-parallel kernels (prep, inverse) take
@@ -177,6 +179,8 @@ PrepParams chunk_params(const P& p, const SeqDesc& sd, int N, const int* table) 
   pp.HV = static_cast<int>(p.shape.num_v_heads);
   pp.chunk_off = table;
   pp.scale = static_cast<float>(p.scale);
+  pp.q = p.q.data;
+  for (int i = 0; i < 3; ++i) pp.sq[i] = p.q.stride[i];
   return pp;
 }
 

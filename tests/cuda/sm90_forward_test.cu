@@ -72,6 +72,10 @@ struct Case {
   bool cu64 = false;
   float scale = 0.f;  // 0: K^-0.5
   float vmag = 1.f, hmag = 1.f;  // scale of v and h0 (the fused forward's fp16 range handling)
+  // Norms of q and k (l2-normalised rows times these; spread: each token's times 2^U(-8, 8)),
+  // with beta divided by max(1, |k|^2) so that the recurrence stays stable (beta |k|^2 <= 1).
+  float qnorm = 1.f, knorm = 1.f;
+  bool spread = false;
 };
 
 static uint16_t to16(float x, DType dt) {
@@ -117,12 +121,14 @@ static void make_inputs(Problem& P, uint64_t seed) {
   P.v.assign(BT * c.HV * V, 0.f);
   P.g.assign(BT * c.HV, 0.f);
   P.beta.assign(BT * c.HV, 0.f);
+  std::uniform_real_distribution<float> ud(-8.f, 8.f);
   for (int64_t r = 0; r < BT * c.H; ++r) {
     for (std::vector<float>* x : {&P.q, &P.k}) {
       double nrm = 0;
       float* p = x->data() + r * K;
       for (int i = 0; i < K; ++i) { p[i] = nd(rng); nrm += double(p[i]) * p[i]; }
-      const float inv = float(1.0 / std::sqrt(nrm));
+      const float to = (x == &P.q ? c.qnorm : c.knorm) * (c.spread ? std::exp2(ud(rng)) : 1.f);
+      const float inv = float(to / std::sqrt(nrm));
       for (int i = 0; i < K; ++i) p[i] = roundto(p[i] * inv, c.qdt);
     }
   }
@@ -133,7 +139,13 @@ static void make_inputs(Problem& P, uint64_t seed) {
     const bool zero_head = c.gmode == 3 && (i % c.HV) % 4 == 0;
     P.g[i] = roundto(c.gmode == 0 || (c.gmode == 3 && !zero_head) ? ls / 16.f : c.gmode == 1 ? ls : 0.f, c.gdt);
   }
-  for (auto& x : P.beta) x = roundto(1.f / (1.f + std::exp(-nd(rng))), c.gdt);
+  for (size_t i = 0; i < P.beta.size(); ++i) {
+    const int64_t t = int64_t(i) / c.HV, hq = (int64_t(i) % c.HV) / (c.HV / c.H);
+    double k2 = 0;
+    for (int d = 0; d < K; ++d) k2 += double(P.k[(t * c.H + hq) * K + d]) * P.k[(t * c.H + hq) * K + d];
+    const double div = c.knorm != 1.f || c.spread ? std::max(1.0, k2) : 1.0;  // the other cases: as before
+    P.beta[i] = roundto(float(1.0 / (1.0 + std::exp(-nd(rng))) / div), c.gdt);
+  }
   P.h0.assign(c.h0 ? P.N * c.HV * K * V : 0, 0.f);
   for (auto& x : P.h0) x = c.hmag * nd(rng);
 }
@@ -211,6 +223,10 @@ static void upload_state(float* dst, const std::vector<float>& h, int64_t NHV, S
   CK(cudaMemcpy(dst, d.data(), d.size() * 4, cudaMemcpyHostToDevice));
 }
 
+// --qk-normalized: pass the unit-norm hint (qk_l2_normalized) with every case whose q, k rows are
+// l2-normalised (the bench rows' are).
+static bool g_qk_hint = false;
+
 static void setup(Problem& P, Dev& D, cudaStream_t stream) {
   const Case& c = P.c;
   const int64_t BT = c.B * c.T;
@@ -252,6 +268,7 @@ static void setup(Problem& P, Dev& D, cudaStream_t stream) {
     p.num_seqs = P.N;
   }
   p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(K));
+  p.qk_l2_normalized = g_qk_hint && c.qnorm == 1.f && c.knorm == 1.f && !c.spread;  // only where true
   p.state_layout = c.layout;
   p.device = qla::Device::kCuda;
   p.stream = stream;
@@ -569,7 +586,7 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
   CK(cudaMemcpy(reg.data(), dreg, bytes, cudaMemcpyDeviceToHost));
   CK(cudaFree(dreg));
   double num = 0, den = 0, gnum = 0, gden = 0;
-  bool nan = !st.ok();
+  bool nan = !st.ok(), bad_et = false;
   for (int64_t n = 0; n < P.N; ++n) {
     for (int64_t ci = off[n]; ci < off[n + 1]; ++ci) {
       const int64_t t0 = P.cu[n] + (ci - off[n]) * 64, len = std::min<int64_t>(64, P.cu[n + 1] - t0);
@@ -597,10 +614,37 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
           }
         }
         const uint16_t* img = reinterpret_cast<const uint16_t*>(rg + qla::sm90::kInvImg);
+        // The image holds 2^et diag(2^-ek) Tu: 2^ek_i |k_i| in [2^-1/2, 2^1/2) (0 past the end),
+        // max_i |beta_i| 2^(et - ek_i) in [1/2, 1), kn = max(1, max_i 2^-ek_i).
+        int et = 0;
+        float kn = 0.f;
+        std::memcpy(&et, rg + qla::sm90::kInvTuExp, 4);
+        std::memcpy(&kn, rg + qla::sm90::kInvKn, 4);
+        const int8_t* ek = reinterpret_cast<const int8_t*>(rg + qla::sm90::kInvKexp);
+        const int8_t* eq = reinterpret_cast<const int8_t*>(rg + qla::sm90::kInvQexp);
+        double bmax = 0, knref = 1;
+        for (int64_t i = 0; i < 64; ++i) {
+          if (i >= len) {
+            if (ek[i] != 0 || eq[i] != 0) bad_et = true;
+            continue;
+          }
+          double q2 = 0;  // q's exponent comes from bf16 sums: a few percent of slack
+          for (int d = 0; d < K; ++d) q2 += double(P.q[((t0 + i) * H + hq) * K + d]) * P.q[((t0 + i) * H + hq) * K + d];
+          const double qn_i = std::sqrt(q2) * std::ldexp(1.0, eq[i]);
+          if (q2 > 0 && !(qn_i > 0.7071 * 0.95 && qn_i < 1.4143 * 1.05)) bad_et = true;
+          double k2 = 0;
+          for (int d = 0; d < K; ++d) k2 += double(P.k[((t0 + i) * H + hq) * K + d]) * P.k[((t0 + i) * H + hq) * K + d];
+          const double kn_i = std::sqrt(k2) * std::ldexp(1.0, ek[i]);
+          if (k2 > 0 && !(kn_i > 0.7071 * (1 - 1e-4) && kn_i < 1.4143 * (1 + 1e-4))) bad_et = true;
+          bmax = std::max(bmax, std::fabs(bt[i]) * std::ldexp(1.0, et - ek[i]));
+          knref = std::max(knref, std::ldexp(1.0, -ek[i]));
+        }
+        if (bmax > 0 && !(bmax >= 0.5 && bmax < 1.0)) bad_et = true;
+        if (kn != knref) bad_et = true;
         for (int64_t i = 0; i < len; ++i)
           for (int64_t j = 0; j < len; ++j) {
             const double ref = Tm[i * 64 + j] * bt[j];
-            const double x = from16(img[int(region_offset(int(i), int(j)))], DType::kFloat16);
+            const double x = std::ldexp(from16(img[int(region_offset(int(i), int(j)))], DType::kFloat16), ek[i] - et);
             if (!std::isfinite(x)) nan = true;
             num += (x - ref) * (x - ref);
             den += ref * ref;
@@ -623,8 +667,9 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
   }
   const double e = std::sqrt(num / std::max(den, 1e-300)), eg = std::sqrt(gnum / std::max(gden, 1e-300));
   // fp16 rounding of Tu (2^-11 relative) plus the fp32 inverse; gates in fp32.
-  const bool ok = !nan && e < 1e-3 && eg < 1e-5;
-  std::printf("inverse %-40s Tu rel-L2 %.2e  gates %.2e  %s%s\n", c.name.c_str(), e, eg, nan ? "NaN/unwritten " : "",
+  const bool ok = !nan && !bad_et && e < 1e-3 && eg < 1e-5;
+  std::printf("inverse %-40s Tu rel-L2 %.2e  gates %.2e  %s%s%s\n", c.name.c_str(), e, eg, nan ? "NaN/unwritten " : "",
+              bad_et ? "scale exponents out of their windows " : "",
               ok ? "ok" : (st.ok() ? "FAIL" : st.message().c_str()));
   free_dev(D);
   return ok;
@@ -672,6 +717,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
     if (std::string(argv[i]) == "--fused") do_fused = true;
+    if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
   }
@@ -729,6 +775,16 @@ int main(int argc, char** argv) {
     c.hmag = 1e6f; cases.push_back(c); }
   { Case c; c.name = "tiny v, h0"; c.B = 1; c.T = 300; c.H = 1; c.HV = 2; c.vmag = 1e-6f; c.hmag = 1e-6f;
     c.layout = StateLayout::kVK; cases.push_back(c); }
+  // Keys and queries far from unit norm (use_qk_l2norm_in_kernel=False): the fused forward's
+  // per-chunk power-of-two scales of q, k and Tu.
+  { Case c; c.name = "large q, k (|k| 2^10, beta/|k|^2)"; c.lens = {300, 64, 129}; c.H = 1; c.HV = 2; c.qnorm = 1024.f;
+    c.knorm = 1024.f; cases.push_back(c); }
+  { Case c; c.name = "large q, k fp16 (|k| 2^9)"; c.B = 1; c.T = 257; c.H = 2; c.HV = 2; c.qdt = DType::kFloat16;
+    c.qnorm = 512.f; c.knorm = 512.f; c.layout = StateLayout::kVK; cases.push_back(c); }
+  { Case c; c.name = "small q, k (|k| 2^-12)"; c.B = 1; c.T = 300; c.H = 1; c.HV = 2; c.qnorm = 1.f / 4096;
+    c.knorm = 1.f / 4096; cases.push_back(c); }
+  { Case c; c.name = "spread q, k norms (2^+-8)"; c.B = 2; c.T = 200; c.H = 1; c.HV = 2; c.spread = true;
+    cases.push_back(c); }
 
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1 || i == 4) && ok;
 

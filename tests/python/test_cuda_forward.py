@@ -142,6 +142,41 @@ def test_state_v_first_no_initial_state_fp16_and_scale():
     assert e_o < 1e-3 and e_h < 1e-3
 
 
+def _spread_norms(x, lo=-8.0, hi=8.0, seed=11):
+    """q, k rows rescaled to norms 2^U(lo, hi) per token (use_qk_l2norm_in_kernel=False inputs),
+    beta divided by max(1, |k|^2) so that the recurrence stays stable."""
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(x)
+    for name in ("q", "k"):
+        t = x[name].float().cpu()
+        f = torch.exp2(torch.empty(t.shape[:-1] + (1,)).uniform_(lo, hi, generator=gen))
+        out[name] = (t * f).to(x[name].dtype).to("cuda")
+    k2 = out["k"].float().pow(2).sum(-1)  # [1, T, H]
+    HV, H = x["v"].shape[2], x["k"].shape[2]
+    out["beta"] = x["beta"] / k2.repeat_interleave(HV // H, dim=2).clamp(min=1.0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens,H,HV", [([700, 300], 4, 16), ([300], 1, 2)])
+def test_queries_and_keys_far_from_unit_norm(dtype, lens, H, HV):
+    # 32 pairs and more take the fused forward (per-token power-of-two scales of q and k); 2 pairs
+    # the two-pass one in bf16, the fused one in fp16 (its fp16 images would overflow).
+    e_o, e_h = _check(_spread_norms(_inputs(lens, H, HV, "mild", dtype=dtype, seed=21)))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+def test_qk_l2norm_in_kernel_hint_path():
+    # use_qk_l2norm_in_kernel=True normalises q, k and tells the core they are unit rows.
+    x = _spread_norms(_inputs([1000, 24], 4, 16, "mild", seed=22), lo=-3.0, hi=3.0)
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True)
+    qn, kn = qla.l2norm(q), qla.l2norm(k)
+    ro, rht = reference(qn.cpu(), kn.cpu(), v.cpu(), g.cpu(), beta.cpu(), initial_state=h0.cpu(), cu_seqlens=cu.cpu())
+    assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL, (rel_err(o, ro), rel_err(ht, rht))
+
+
 def test_batched_without_cu_seqlens_matches_varlen():
     x = _inputs([200, 200], 2, 4, "mild", seed=6)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
