@@ -384,11 +384,11 @@ constexpr uint32_t kGsK = 163840;    // Tm hi (8 KiB)
 constexpr uint32_t kGsL = 172032;    // U -> dA (8 KiB)  -> dKb
 constexpr uint32_t kGsM = 188416;    // X
 constexpr uint32_t kGsN = 204800;    // Uv image
-constexpr uint32_t kGsMisc = 221184; // gamma, beta, column sums of R [64 floats each], partials [2][4][64], 16 floats, 3 mbarriers
+constexpr uint32_t kGsMisc = 221184; // gamma, beta [64 floats each], column sums of R [8][64], partials [2][4][64], 16 floats, 3 mbarriers
 constexpr uint32_t kGradTx0 = 3 * kQKBytes + 2 * kImgTokD * 2 /* S */ + kImgTokD * 2 /* W */ +
                               2 * kImgTokTok * 2 /* P */ + kC * kDV * 4 /* Uv */ + kImgTokD * 2 /* -dU */ +
                               kImgTokTok * 2 /* Tm */;
-constexpr size_t kGradSmem = 1024 + kGsMisc + 11 * 64 * 4 + 64 + 3 * 8;
+constexpr size_t kGradSmem = 1024 + kGsMisc + 18 * 64 * 4 + 64 + 3 * 8;
 static_assert(kGradSmem <= 232448, "grads smem over the 227 KiB limit");
 static_assert(kGsB - kGsA == kQKBytes && kGsI + 32768 == kGsJ && kGsK + 8192 == kGsL, "slot sizes");
 
@@ -421,8 +421,10 @@ __device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const
   return make_float2(s[0], s[1]);
 }
 
-// Sums over the rows of a 64 x N fragment's column pairs, added to col[] (shared): the 8 row
-// groups of a warp are reduced by shuffles, then one atomic per column and warp.
+// Sums over the rows of a 64 x N fragment's column pairs, added to col[] (shared, this warp's
+// own 64 columns): the 8 row groups of a warp are reduced by shuffles, then one lane per column
+// adds, so every sum is taken in a fixed order (no atomics: the backward is bitwise
+// deterministic); the reader sums the warps' slots in warp order.
 template <class Acc, class Coord>
 __device__ __forceinline__ void add_col_sums(const Acc& v, const Coord& cc, float* col, int coff, int lane) {
   CUTE_UNROLL
@@ -435,8 +437,8 @@ __device__ __forceinline__ void add_col_sums(const Acc& v, const Coord& cc, floa
     }
     if (lane < 4) {
       const int c = get<1>(cc(i)) + coff;
-      atomicAdd(&col[c], a);
-      atomicAdd(&col[c + 1], b);
+      col[c] += a;
+      col[c + 1] += b;
     }
   }
 }
@@ -473,8 +475,8 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   T* sUvi = reinterpret_cast<T*>(sm + kGsN);
   float* sGam = reinterpret_cast<float*>(sm + kGsMisc);
   float* sBeta = sGam + 64;
-  float* sColR = sBeta + 64;
-  float* sPart = sColR + 64;          // [2 warpgroups][4 quantities: a, x, dbeta, R rows][64]
+  float* sColR = sBeta + 64;          // [8 warps][64]: column sums of R, per warp
+  float* sPart = sColR + 8 * 64;      // [2 warpgroups][4 quantities: a, x, dbeta, R rows][64]
   float* sRed = sPart + 2 * 4 * 64;   // [8 warps]: partials of <dSn, S>
   uint64_t* bar = reinterpret_cast<uint64_t*>(sRed + 16);  // [0]: first loads, [1]: dSn, [2]: V
 
@@ -515,10 +517,8 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
     bulk_g2s(sTm, static_cast<const T*>(p.tm) + region * (2 * kImgTokTok), kImgTokTok * 2, &bar[0]);
   }
   // gamma (cumsum of g over the valid rows; padding g = 0, beta = 0) while the loads fly.
-  if (tid < kC) {
-    load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
-    sColR[tid] = 0.f;
-  }
+  if (tid < kC) load_gates_scan(p, tid, len, b, t0, hv, sGam[tid], sBeta[tid]);
+  for (int i = tid; i < 8 * 64; i += 256) sColR[i] = 0.f;
   __syncthreads();
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
   __syncthreads();
@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
       *reinterpret_cast<uint32_t*>(sdA + off) = pack2<T>(da[0], da[1]);
       rR[h] += rr(i) + rr(i + 1);
     }
-    add_col_sums(rr, c32, sColR, co32, lane);
+    add_col_sums(rr, c32, sColR + warp * 64, co32, lane);
   }
   fence_async_smem();
   __syncthreads();
@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
       *reinterpret_cast<uint32_t*>(sdM + toktok(r, c)) = pack2<T>(dm[0], dm[1]);
       rR[h] += accKK(i) + accKK(i + 1);
     }
-    add_col_sums(accKK, c32, sColR, co32, lane);
+    add_col_sums(accKK, c32, sColR + warp * 64, co32, lane);
   }
   CUTE_UNROLL
   for (int k = 0; k < 4; ++k) {  // diag(beta) K (-dU was last read by Tm^T dU)
@@ -815,7 +815,10 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   float* sXr = sPart + 4 * 64 + 3 * 64;
   if (tid < kC) {
     const int r = tid;
-    const float a = sPart[r] + sPart[256 + r] - sColR[r];
+    float col = 0.f;
+    CUTE_UNROLL
+    for (int w = 0; w < 8; ++w) col += sColR[w * 64 + r];
+    const float a = sPart[r] + sPart[256 + r] - col;
     const float x = sPart[64 + r] + sPart[256 + 64 + r];
     const float db = sPart[128 + r] + sPart[256 + 128 + r];
     sA[r] = a;

@@ -55,6 +55,25 @@ def test_backward_accuracy_bf16(gate):
         assert rel_err(got[n], ref[n]) <= TOLS[n], (n, rel_err(got[n], ref[n]))
 
 
+def test_two_identical_backward_calls_give_identical_bits():
+    # No floating-point atomics whose order varies: every gradient bitwise equal across calls,
+    # on a shape with many CTAs per kernel (several chunks per sequence, GVA, ragged lengths).
+    x = _inputs([1000, 333, 64, 700], 2, 8, "mild", seed=31)
+    do, dht = _upstream(x, 32)
+
+    def grads():
+        leaves = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
+        o, ht = qla.chunk_gated_delta_rule(*(leaves[n] for n in NAMES[:5]), initial_state=leaves["initial_state"],
+                                           output_final_state=True, cu_seqlens=x["cu_seqlens"])
+        torch.autograd.backward([o, ht], [do, dht])
+        return [leaves[n].grad.clone() for n in NAMES]
+
+    first = grads()
+    for _ in range(3):
+        for n, a, b in zip(NAMES, first, grads()):
+            assert torch.equal(a, b), f"d{n} differs between identical calls"
+
+
 def test_backward_varlen_gva_state_v_first():
     x = _inputs([0, 1, 63, 64, 65, 200, 130], 1, 4, "mild", seed=12)
     got, ref = _grads(x, *_upstream(x, 13), state_v_first=True)
