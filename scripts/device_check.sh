@@ -3,12 +3,18 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
+#                                [warm-peers] [warm-wait]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
 #   its first and second calls timed (bench/first_call.py), qla.bench and the GPU pytest suites
 #   run against it. No build on the device for this stage alone.
 # cold-peers: FlashQLA's and FlashInfer's first call from empty JIT caches (carry ".whl").
+# warm-peers: fill the peers' JIT caches (FLA's Triton, FlashQLA's TileLang; carry ".whl") with
+#   one background process per head configuration, started with setsid so that they outlive
+#   the call (logs in /tmp/qla_warm); the machine stays warm only 30 s after a call, so follow
+#   at once with a call running `warm-wait` (waits up to WARM_WAIT_S, default 540 s), then the
+#   grid: GRID_ARGS="--backends qla,fla,flashqla" bash scripts/device_check.sh grid.
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
 # only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
@@ -82,6 +88,25 @@ if want wheel; then
   (cd /tmp/qla_wheel_tests && PATH=$user_path "$uv/bin/python" -m pytest ${WHEEL_TESTS:-python/test_cuda_forward.py python/test_cuda_backward.py python/test_training.py python/test_prepare.py} \
      -q -p no:cacheprovider -rs) 2>&1 | tee "$LOGS/wheel_pytest.log" | tail -n 8
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+snap
+if want warm-peers; then
+  echo "== peers' JIT caches: one background process per head configuration"
+  mkdir -p /tmp/qla_warm
+  for hh in ${WARM_HEADS:-2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32}; do
+    tag=${hh/\//_}
+    setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "${WARM_KIND:-fwd}" --heads "$hh" \
+      --backends "${WARM_BACKENDS:-fla,flashqla}" --no-graph --warmup 0 --iters 1 --target-ms 1 \
+      --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+  done
+  sleep 2
+  echo "warm-up processes running: $(pgrep -fc 'qla_warm/' || true)"
+fi
+if want warm-wait; then
+  t0=$(date +%s)
+  while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_WAIT_S:-540} )); do sleep 5; done
+  echo "warm-up processes still running after $(( $(date +%s) - t0 )) s: $(pgrep -fc 'qla_warm/' || true)"
+  tail -n 2 /tmp/qla_warm/*.log
 fi
 snap
 if want cold-peers; then
