@@ -127,9 +127,9 @@ struct GdnForwardParams {
   StateLayout state_layout = StateLayout::kKV;
   // Hint: every row of q (and of k) has unit l2 norm, up to the rounding of its dtype (as after
   // an l2norm). The CUDA forward then skips measuring q's row norms (a pass over q); keys are
-  // measured either way. Leave it false for anything else: with it false, q and k of any norm
-  // keep full accuracy; set wrongly, queries far from unit norm (below ~2^-10 or above ~2^10)
-  // lose accuracy.
+  // measured either way. Leave it false for anything else: with it false, q and k rows of any
+  // norm from 2^-30 to 2^30 keep full accuracy; set wrongly, queries far from unit norm (below
+  // ~2^-10 or above ~2^10) lose accuracy. fp16 calls without it always take the fused forward.
   bool qk_l2_normalized = false;
 
   Device device = Device::kCpu;
