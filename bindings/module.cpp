@@ -115,8 +115,12 @@ NB_MODULE(_C, m) {
       "forward_workspace_size",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
-         int device) {
+         int device, bool qk_l2_normalized, int split, int split_chunks) {
+        // The options that choose the CUDA forward's path also set its workspace.
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, 0, 0, 0);
+        p.qk_l2_normalized = qk_l2_normalized;
+        p.split = static_cast<qla::SplitMode>(split);
+        p.split_chunks = split_chunks;
         size_t bytes = 0;
         raise_if_error(qla::gdn_forward_workspace_size(p, &bytes));
         return bytes;
@@ -127,11 +131,13 @@ NB_MODULE(_C, m) {
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
          int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads,
-         bool qk_l2_normalized) {
+         bool qk_l2_normalized, int split, int split_chunks) {
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
                                 workspace, workspace_bytes);
         p.num_threads = num_threads;
         p.qk_l2_normalized = qk_l2_normalized;
+        p.split = static_cast<qla::SplitMode>(split);  // SplitMode: 0 auto, 1 off, 2 on
+        p.split_chunks = split_chunks;
         qla::Status s;
         {
           nb::gil_scoped_release release;  // the CPU backend runs for long; let other threads go

@@ -69,6 +69,13 @@ enum class StateLayout : int {
   kVK = 1,  // [.., V, K]: state_v_first
 };
 
+// Sequence splitting in the CUDA forward (GdnForwardParams::split).
+enum class SplitMode : int {
+  kAuto = 0,  // split when a cost model of the kernels says it pays (few, long sequences)
+  kOff = 1,   // never: one chain of chunks per (sequence, value head)
+  kOn = 2,    // always, into pieces of about split_chunks chunks (0: the automatic length)
+};
+
 // Where the tensors live. kCuda picks the sm90 backend (compute capability 9.x).
 enum class Device : int { kCpu = 0, kCuda = 1 };
 
@@ -131,6 +138,15 @@ struct GdnForwardParams {
   // norm from 2^-30 to 2^30 keep full accuracy; set wrongly, queries far from unit norm (below
   // ~2^-10 or above ~2^10) lose accuracy. fp16 calls without it always take the fused forward.
   bool qk_l2_normalized = false;
+  // Sequence splitting (CUDA forward): a long sequence runs as pieces of whole 64-token chunks in
+  // parallel. Each piece's entering state comes from exact transfer maps and a scan, or, for a
+  // (sequence, value head) whose gates decay by at least e^-16 within 8 chunks before every
+  // piece boundary, from those chunks rerun from zero (the dropped part is below e^-16 of the
+  // state where they start; heads with g = 0 always take the exact path). Decided on the
+  // device, no sync.
+  // split_chunks (kOn only, >= 0): the pieces' minimum length in chunks (0: automatic).
+  SplitMode split = SplitMode::kAuto;
+  int split_chunks = 0;
 
   Device device = Device::kCpu;
   void* stream = nullptr;       // cudaStream_t for Device::kCuda

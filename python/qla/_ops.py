@@ -59,22 +59,28 @@ _WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the co
 
 def _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra):
     """One CUDA call of the core (forward or backward): its workspace (size cached per key),
-    then the launch on the current stream (extra: the forward's trailing arguments)."""
+    then the launch on the current stream (extra: the forward's trailing options, which also
+    choose its path and so its workspace)."""
     ws_bytes = _WORKSPACE_BYTES.get(key)
     if ws_bytes is None:
-        ws_bytes = query(shape, *descs, scale, layout, 1)
+        ws_bytes = query(shape, *descs, scale, layout, 1, *extra)
         _WORKSPACE_BYTES[key] = ws_bytes
     ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
     run(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
         0 if ws is None else ws.data_ptr(), ws_bytes, 0, *extra)
 
 
+SPLIT_AUTO, SPLIT_OFF, SPLIT_ON = 0, 1, 2  # the core's SplitMode
+
+
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                 qk_normalized):
+                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0):
     """The forward itself; returns (o, final state or None). Called through the custom op
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
     costs more than the launch). qk_normalized: q and k rows have unit l2 norm (the caller
-    applied l2norm), a hint that saves the CUDA forward a pass over q."""
+    applied l2norm), a hint that saves the CUDA forward a pass over q. split_mode,
+    split_chunks: the CUDA forward's sequence splitting (SPLIT_*; pieces of at least
+    split_chunks chunks of 64 tokens with SPLIT_ON, 0: automatic)."""
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
     n = _num_seqs(q, cu_seqlens)
@@ -94,10 +100,11 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
              _desc(o), _desc(ht))
     layout = 1 if state_v_first else 0
     if dev.type != "cuda":
-        _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized)
+        _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks)
         return o, ht
-    _run_cuda(_C.forward, _C.forward_workspace_size, ("fwd", shape, n, q.dtype, dev.index), shape, descs, scale,
-              layout, dev, qk_normalized)
+    _run_cuda(_C.forward, _C.forward_workspace_size,
+              ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks), shape, descs, scale,
+              layout, dev, qk_normalized, split_mode, split_chunks)
     return o, ht
 
 
@@ -114,9 +121,11 @@ def gdn_fwd(
     output_final_state: bool,
     state_v_first: bool,
     qk_normalized: bool,
+    split_mode: int,
+    split_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, ht = forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                         qk_normalized)
+                         qk_normalized, split_mode, split_chunks)
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))  # an op returns tensors
 
 
@@ -138,7 +147,7 @@ def _cu_desc(cu: Optional[torch.Tensor]) -> tuple:
 
 @gdn_fwd.register_fake
 def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                  qk_normalized):
+                  qk_normalized, split_mode, split_chunks):
     B, T = q.shape[0], q.shape[1]
     o = q.new_empty((B, T, v.shape[2], v.shape[3]))
     if output_final_state:
@@ -198,7 +207,7 @@ def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, _ = inputs
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first = inputs[:10]
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.state_v_first = state_v_first
@@ -213,7 +222,9 @@ def _backward(ctx, do, dht):
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
         None if dht is None else dht.contiguous(), ctx.state_v_first,
     )
-    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None
+    # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
+    return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,
+            None)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -197,6 +197,21 @@ def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):
     return o, q.new_zeros(_ops.state_shape(q, v, N, state_v_first), dtype=_ops.state_dtype(q))
 
 
+def _split_args(split, split_chunks) -> Tuple[int, int]:
+    """The CUDA forward's splitting options as the core's (SplitMode, split_chunks)."""
+    if split is not None and not isinstance(split, bool):
+        raise TypeError(f"split: expected None (automatic), True or False, got {type(split).__name__}")
+    if split_chunks is None:
+        return (_ops.SPLIT_AUTO if split is None else _ops.SPLIT_ON if split else _ops.SPLIT_OFF), 0
+    if isinstance(split_chunks, bool) or not isinstance(split_chunks, int):
+        raise TypeError(f"split_chunks: expected an int (chunks of 64 tokens per piece), got {type(split_chunks).__name__}")
+    if split_chunks < 1:
+        raise ValueError(f"split_chunks: expected at least 1 (chunks of 64 tokens per piece), got {split_chunks}")
+    if split is False:
+        raise ValueError("split_chunks: expected None with split=False (no pieces), got " + str(split_chunks))
+    return _ops.SPLIT_ON, split_chunks
+
+
 def chunk_gated_delta_rule_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,21 +224,25 @@ def chunk_gated_delta_rule_fwd(
     cu_seqlens: Optional[torch.Tensor] = None,
     state_v_first: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    split: Optional[bool] = None,
+    split_chunks: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Low-level forward on already-preprocessed inputs (no autograd).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (natural-log decay, <= 0), beta: [B, T, HV];
     initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first). Returns
     (o [B, T, HV, V] in q's dtype, final_state or None). States are fp32, or fp64 when
-    the inputs are fp64.
+    the inputs are fp64. split, split_chunks: as in chunk_gated_delta_rule.
     """
+    split_mode, split_chunks = _split_args(split, split_chunks)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
-        o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False)
+        o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False,
+                    split_mode, split_chunks)
     return o, (ht if output_final_state else None)
 
 
@@ -294,6 +313,8 @@ def chunk_gated_delta_rule(
     use_gate_in_kernel: bool = False,
     A_log: Optional[torch.Tensor] = None,
     dt_bias: Optional[torch.Tensor] = None,
+    split: Optional[bool] = None,
+    split_chunks: Optional[int] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
@@ -310,6 +331,13 @@ def chunk_gated_delta_rule(
         allow_neg_eigval: with use_beta_sigmoid_in_kernel, beta = 2 * sigmoid(beta) (range [0, 2)).
         cu_seqlens: [N + 1] int32/int64 boundaries of packed sequences (requires B == 1).
         use_gate_in_kernel: g = -exp(A_log) * softplus(g + dt_bias), A_log and dt_bias [HV].
+        split: the CUDA forward's sequence splitting: None (default) splits long sequences
+            when a cost model of the kernels says it pays, True always, False never. Each
+            piece's entering state is exact (transfer maps and a scan), or, for a (sequence,
+            head) whose gates decay by e^-16 within 8 chunks before every piece boundary, those
+            chunks rerun from zero; heads with g = 0 always take the exact path. CPU calls
+            ignore it.
+        split_chunks: with split (implied), pieces of at least this many chunks of 64 tokens.
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
             cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
@@ -318,6 +346,7 @@ def chunk_gated_delta_rule(
     Returns:
         (o [B, T, HV, V] in q's dtype, final_state or None)
     """
+    split_mode, split_chunks = _split_args(split, split_chunks)
     cu_seqlens_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("chunk_indices", None)
     chunk_size = kwargs.pop("chunk_size", None)
@@ -361,5 +390,5 @@ def chunk_gated_delta_rule(
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
     o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                use_qk_l2norm_in_kernel)
+                use_qk_l2norm_in_kernel, split_mode, split_chunks)
     return o, (ht if output_final_state else None)

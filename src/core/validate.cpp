@@ -138,6 +138,13 @@ Status validate_forward(const GdnForwardParams& p) {
   QLA_TRY(check_ptr("o", p.o.data, has_tokens));
   QLA_TRY(check_dtype("o", p.o.dtype, p.q.dtype));
   QLA_TRY(check_state("final_state", p.final_state.data, p.final_state.dtype, p.q.dtype));
+  const int sm = static_cast<int>(p.split);
+  if (sm < 0 || sm > 2)
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "split: expected SplitMode kAuto, kOff or kOn, got " + std::to_string(sm));
+  if (p.split_chunks < 0)
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "split_chunks: expected >= 0 (0: automatic), got " + std::to_string(p.split_chunks));
   return Status::Ok();
 }
 

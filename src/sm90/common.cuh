@@ -254,6 +254,29 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 // sequences longest first (the launch order of the sequential passes).
 __host__ __device__ constexpr int64_t chunk_table_ints(int64_t N) { return 2 * N + 2; }
 
+// Sequence splitting (docs/split.md): a sequence of nch chunks runs as np pieces of len chunks
+// (the last one shorter, none empty). The split is a function of nch and the plan alone, so a
+// sequence's pieces never depend on the rest of the batch once the plan is fixed. The plan's
+// min_chunks = 0 (or nch <= min_chunks) keeps the sequence whole.
+struct PiecePlan {
+  int min_chunks = 0;  // pieces of at least this many chunks (0: no splitting)
+  int max_pieces = 1;  // and at most this many per sequence
+};
+struct PieceSplit {
+  int np, len;
+};
+__host__ __device__ __forceinline__ PieceSplit piece_split(int nch, const PiecePlan& pl) {
+  if (pl.min_chunks <= 0 || nch <= pl.min_chunks) return {1, nch};
+  int np = (nch + pl.min_chunks - 1) / pl.min_chunks;
+  np = np < pl.max_pieces ? np : pl.max_pieces;
+  const int len = (nch + np - 1) / np;
+  return {(nch + len - 1) / len, len};
+}
+// The piece table (split forward, ints, after the chunk table): [0, N] piece offsets of the
+// sequences in launch order (the chunk table's longest-first ranks), then each piece's rank
+// ([max_pieces) entries; max_pieces >= the actual total, from shapes).
+__host__ __device__ constexpr int64_t piece_table_ints(int64_t N, int64_t max_pieces) { return N + 1 + max_pieces; }
+
 // Sort key of the longest-first order (gdn_chunk_table): the chunk count at quarter-octave
 // resolution (bucket 1 + 4 e + m for cnt = 2^e * 1.m..., 0 for an empty sequence). Counts 1.25x
 // apart always differ, which is all the launch order needs, and 128 buckets let a counting sort

@@ -34,6 +34,7 @@
 
 #include "inverse.cuh"
 #include "recurrence.cuh"
+#include "split.cuh"
 
 namespace qla {
 namespace sm90 {
@@ -67,7 +68,8 @@ struct FusedCfg {
   static constexpr int kOBufs = kMathWGs == 1 ? 2 : 1;
   static constexpr uint32_t kO = kStages * kStageBytes;
   static constexpr uint32_t kBar = kO + kOBufs * kC * kOPitch * 2;
-  static constexpr size_t kSmem = 1024 + kBar + (3 * kStages + 4) * 8;
+  static constexpr uint32_t kFlags = kBar + (3 * kStages + 4) * 8;  // the piece's path (split.cuh)
+  static constexpr size_t kSmem = 1024 + kFlags + 16;
   static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
   static_assert(kGateCopy <= 1024 && kInvTok + kC * 4 <= kStageBytes, "stage parts overlap");
@@ -148,15 +150,24 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   uint64_t* ofree = oready + 2;        // [kOBufs]: the store threads have copied it out
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
-  const RecTile tile = rec_tile<VT>(p);
+  const PieceCta tile = piece_cta(p);
   const int vt = tile.vt, n = tile.n, hv = tile.hv;
   const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
-  const int nch = tile.nch, ci0 = tile.ci0;
+  const int ci0 = tile.ci0;
   if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
-    fill_nan_outputs<T>(p);
+    if (p.pass == 0) fill_nan_outputs<T>(p);
     return;
   }
   if (!tile.live) return;
+  // The piece's path (split.cuh), from the gates of the chunks before its boundaries: warp 1.
+  int* sflags = reinterpret_cast<int*>(sm + Cfg::kFlags);
+  if (tid >= 32 && tid < 64) {
+    const bool warm = tile.sp.np > 1 && warm_path(p, ci0, hv, tile.sp, tid - 32);
+    if (tid == 32) {
+      sflags[0] = warm;
+      sflags[1] = warm && tile.j > 0 ? warm_chunks(p, ci0, hv, tile.j * tile.sp.len) : 0;
+    }
+  }
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -170,6 +181,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  const PieceRole role = piece_role(p, tile, kDV / VT, sflags[0] != 0, sflags[1]);
+  if (!role.run) return;
+  // Chunks c = 0 .. nch - 1 of the loops are chunks c0 + c of the sequence; the first nwarm of
+  // them (a warm-up) leave no output.
+  const int nch = role.nch, c0 = role.c0, nwarm = role.nwarm;
   auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
   auto parity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
 
@@ -188,8 +204,9 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       for (int c = 0; c < nch; ++c) {
         const int ob_i = c % Cfg::kOBufs;
         const T* sO = reinterpret_cast<const T*>(sm + Cfg::kO) + ob_i * kC * Cfg::kOPitch;
-        const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
-        T* oc = ob + (t0 + static_cast<int64_t>(c) * kC) * p.so[1];
+        const int64_t cs = static_cast<int64_t>(c0 + c) * kC;  // within the sequence
+        const int rows = role.out && c >= nwarm ? static_cast<int>(min<int64_t>(kC, slen - cs)) : 0;
+        T* oc = ob + (t0 + cs) * p.so[1];
         mbar_wait(&oready[ob_i], (c / Cfg::kOBufs) & 1);
         if (vec) {
           for (int q = st_t; q < rows * (VT / 8); q += Cfg::kStoreThreads) {
@@ -214,7 +231,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       uint8_t* dst = stage(c);
       // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
       // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
-      const int tok = static_cast<int>(t0) + c * kC, bb = static_cast<int>(b);
+      const int tok = static_cast<int>(t0) + (c0 + c) * kC, bb = static_cast<int>(b);
       mbar_wait(&empty[st], parity(c) ^ 1);
       mbar_expect_tx(&full[st], Cfg::kTx);
       CUTE_UNROLL
@@ -224,9 +241,10 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
       }
       CUTE_UNROLL
-      for (int h = 0; h < kMathWGs; ++h)  // one 64-column box per math warpgroup
+      for (int h = 0; h < kMathWGs; ++h)  // one 64-column box per math warpgroup; past V (the transfer
+        // map's columns, split.cuh) the box lies outside v's tensor map and arrives as zeros
         tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
-      const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kInvRegionBytes;
+      const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c0 + c) * p.HV + hv) * kInvRegionBytes;
       bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
       bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
     }
@@ -343,7 +361,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       QLA_PHASE(4);
       // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
       // clamped difference, no overflow), as fp16: W's register operand.
-      const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
+      const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
       CUTE_UNROLL
       for (int i = 0; i < size(acc); i += 2) {
         const int r = get<0>(cc(i)), j = get<1>(cc(i));
@@ -407,12 +425,24 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   // Element i's row half: rows 16 w + lane / 4 (h = 0) and + 8 (h = 1).
   auto half_of = [](int i) { return (i >> 1) & 1; };
 
-  const int v0 = vt * VT + 64 * mw;
+  const int v0 = vt * VT + 64 * mw;  // the first of this warpgroup's columns of [V | K]
   const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
-  CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) {
-    const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
-    accS(i) = p.h0 ? p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+  // The piece's maps (split.cuh): its own, or the previous piece's R, which the scan made the
+  // state entering this one.
+  float* maps = p.maps + (static_cast<size_t>(tile.slot - (role.init == kInitMaps)) * p.HV + hv) * kDK * kMapCols;
+  if (role.init == kInitH0 && p.h0) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
+      accS(i) = p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)];
+    }
+  } else if (role.init == kInitMaps) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) = maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))];
+  } else {  // zero, or the identity's columns (the transfer map)
+    const bool id = role.init == kInitIdentity;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) = id && v0 + get<0>(cS(i)) - kDV == get<1>(cS(i)) ? 1.f : 0.f;
   }
   int esc[2] = {0, 0};  // row v's units: 2^esc
   QLA_PHASES(8);
@@ -570,14 +600,17 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   }
   QLA_PHASES_PRINT("math (wait, units + S16, [Y|P], Z, [U|O], X + scale, O out, S^T)", 8, nch);
 
-  if (p.hT) {
+  const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+  if (role.end == kEndFinal && p.hT) {
     const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
-    const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) {
       const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
       p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i) * inv[half_of(i)];
     }
+  } else if (role.end == kEndMaps) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))] = accS(i) * inv[half_of(i)];
   }
 }
 

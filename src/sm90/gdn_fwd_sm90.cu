@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -43,6 +44,7 @@
 #include "inverse.cuh"
 #include "recurrence.cuh"
 #include "fused_chunks.cuh"
+#include "split.cuh"
 #include "host_util.cuh"
 
 namespace qla {
@@ -62,38 +64,119 @@ int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (
 int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
 #endif
 
+// The longest sequence in chunks: from the host lengths when given, else a bound (T).
+int64_t longest_chunks(const GdnForwardParams& p) {
+  if (!(p.cu_seqlens.data && p.cu_seqlens_host)) return (p.shape.seqlen + kC - 1) / kC;
+  int64_t longest = 0;
+  for (int64_t n = 0; n < p.num_seqs; ++n)
+    longest = std::max<int64_t>(longest, (p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] + kC - 1) / kC);
+  return longest;
+}
+
 // Which forward runs (the one place that decides). The fused forward (inverse kernel + fused
-// recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs;
-// below that its one chain per pair leaves most SMs idle, and the two-pass forward's V tile 32
-// with the prep beside it is faster (2/8 at 1x32768: 0.86 against 1.02 ms; 16/16: 0.97 against
-// 1.10) until sequences are split (issue 13). fp16 inputs take the fused forward at any size
+// recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs,
+// or sequences of at least kFusedMinChunks chunks that it splits (split.cuh; 2/8 at 1x8192: 0.233
+// against 0.239 ms, 1x32768: 0.47 against 0.86), or whenever splitting is forced on. Below that
+// (few pairs of short sequences) the two-pass forward's V tile 32 with the prep beside it is
+// faster (2/8 at 1x4096: 0.135 against 0.172). fp16 inputs take the fused forward at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
 // the params alone (no data), so the workspace query agrees with the launch.
 constexpr int64_t kFusedMinPairs = 32;
+constexpr int64_t kFusedMinChunks = 128;
 bool use_fused(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused) return g_test_fused > 0;
   if (g_test_vt || g_test_prec >= 0 || g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
 #endif
   if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
+  if (p.split == SplitMode::kOn) return true;
+  if (p.split == SplitMode::kAuto && longest_chunks(p) >= kFusedMinChunks) return true;
   return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
 }
 
-struct WsLayout {
-  size_t table = 0, ready = 0, regions = 0, total = 0;
+// Sequence splitting (split.cuh, docs/split.md), decided from the shapes alone (so the workspace
+// query agrees with the launch): the piece plan and a bound on the pieces of the whole call
+// (0: unsplit). The cost model (microseconds) counts the fused recurrence's chunk steps on the
+// longest sequence at V tile 64, one CTA per SM, with a step time that grows with the CTAs in
+// flight (their loads share L2 and HBM): 2.0 us alone, 3.0 us on every SM; each wave pays the
+// pipeline's fill and the state's load and store (about 3 steps). Which heads take the warm-up
+// path is known on the device only; the model assumes a quarter take the exact path (the
+// benchmark's share of g = 0 heads): pass 0 then runs their piece 0 (V columns) and middle
+// pieces (V + K columns), pass 1 their other pieces beside the warm-up path's pieces, each
+// with its warm-up of about 5 chunks. Calibrated on the H200 with the few-pair rows of
+// tests/cuda/sm90_forward_test.cu --split --bench (2026-12-01, bench/results/h200.md): it picks
+// the measured best piece count on 2/8 at 1x4096, 1x8192, 1x32768 and 16/16, 8/32 at 1x32768.
+constexpr int kMaxPiecesPerSeq = 64;
+constexpr double kStepUs = 2.0, kStepLoadedUs = 1.0;  // chunk step: kStepUs + kStepLoadedUs (CTAs / SMs)^2
+constexpr double kWaveSteps = 3.0;                     // a wave's fill and state traffic, in steps
+constexpr double kScanStepUs = 4.0;                    // one step of the scan
+constexpr double kPassUs = 10.0;                       // the scan and pass 1 launches
+constexpr double kExactShare = 0.25;                   // heads assumed to take the exact path
+constexpr int kWarmChunksTypical = 5;
+double split_cost(int64_t pairs, int64_t longest, int np, int sms) {
+  auto pass = [&](double ctas, int64_t steps) {
+    if (ctas <= 0) return 0.0;
+    const double waves = std::ceil(ctas / sms), active = std::min<double>(ctas, sms) / sms;
+    return waves * (steps + kWaveSteps) * (kStepUs + kStepLoadedUs * active * active);
+  };
+  if (np <= 1) return pass(2.0 * pairs, longest);
+  const int64_t len = (longest + np - 1) / np;
+  const double exact = kExactShare * pairs, warm = pairs - exact;
+  return pass(exact * (2 + 4 * (np - 2)), len) + pass(exact * 2 * (np - 1) + warm * 2 * np, len + kWarmChunksTypical) +
+         (np - 2) * kScanStepUs + kPassUs;
+}
+struct SplitChoice {
+  PiecePlan plan;
+  int64_t max_pieces = 0;  // over all sequences; 0: unsplit
 };
-WsLayout ws_layout(const GdnForwardParams& p) {
+SplitChoice split_choice(const GdnForwardParams& p, int sms) {
+  SplitChoice sc;
+  if (!use_fused(p) || p.split == SplitMode::kOff) return sc;
+  const int64_t N = num_seqs(p), pairs = N * p.shape.num_v_heads;
+  const int64_t longest = longest_chunks(p);  // device cu_seqlens alone: a bound
+  if (longest < 2) return sc;
+  int best = 1;
+  if (p.split == SplitMode::kOn && p.split_chunks > 0) {
+    sc.plan.min_chunks = p.split_chunks;
+    sc.plan.max_pieces = kMaxPiecesPerSeq;
+  } else {
+    double best_cost = split_cost(pairs, longest, 1, sms);
+    for (int np = 2; np <= kMaxPiecesPerSeq && np <= longest; ++np) {
+      const double c = split_cost(pairs, longest, np, sms);
+      if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np;
+    }
+    if (best == 1) return sc;
+    sc.plan.min_chunks = static_cast<int>((longest + best - 1) / best);
+    sc.plan.max_pieces = best;
+  }
+  if (longest <= sc.plan.min_chunks) return SplitChoice{};
+  sc.max_pieces = std::min<int64_t>(N * sc.plan.max_pieces, N + max_chunks(p) / sc.plan.min_chunks);
+  return sc;
+}
+
+struct WsLayout {
+  size_t table = 0, ready = 0, pieces = 0, regions = 0, maps = 0, total = 0;
+};
+WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   const size_t N = static_cast<size_t>(num_seqs(p));
   const size_t mc = static_cast<size_t>(max_chunks(p));
   const size_t HV = static_cast<size_t>(p.shape.num_v_heads);
+  const size_t np = static_cast<size_t>(sc.max_pieces);
   WsLayout w;
   w.table = 0;
   w.ready = up(4 * chunk_table_ints(N));  // after the chunk table; one int per (chunk, value head)
-  w.regions = w.ready + up(4 * mc * HV);
-  w.total = w.regions + mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes);
+  w.pieces = w.ready + up(4 * mc * HV);
+  w.regions = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);
+  w.maps = w.regions + up(mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes));
+  w.total = w.maps + np * HV * kDK * kMapCols * 4;
   return w;
+}
+WsLayout ws_layout(const GdnForwardParams& p) {
+  DeviceInfo* dinfo = nullptr;
+  const int sms = device_info(&dinfo).ok() ? dinfo->sms : 132;
+  return ws_layout(p, split_choice(p, sms));
 }
 
 // The one-time work of a first call, per device and dtype: opt in to more than 48 KiB of
@@ -117,6 +200,7 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
   __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
   return Status::Ok();
 }
@@ -154,7 +238,10 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
   const int64_t nregions = max_chunks(p) * HV;
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
+  const SplitChoice sc = split_choice(p, sms);
+  const WsLayout wl = ws_layout(p, sc);
+  int* pieces = sc.max_pieces ? table + (wl.pieces - wl.table) / 4 : nullptr;
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0, sc.plan, pieces);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
@@ -176,18 +263,38 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused > 0) vt128 = g_test_fused == 128;
 #endif
-  if (vt128)
-    gdn_fwd_chunks<T, 2><<<seq_grid(N, HV, kDV / FusedCfg<2>::kVT), FusedCfg<2>::kThreads, FusedCfg<2>::kSmem, stream>>>(rp);
-  else
-    gdn_fwd_chunks<T, 1><<<seq_grid(N, HV, kDV / FusedCfg<1>::kVT), FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
-  return Status::Ok();
+  const int nr = vt128 ? 1 : 2;  // V tiles per value head
+  const int slots = static_cast<int>(sc.max_pieces ? sc.max_pieces : N);
+  if (sc.max_pieces) {
+    rp.pieces = pieces;
+    rp.plan = sc.plan;
+    rp.maps = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + wl.maps);
+    rp.warm_decay = kWarmLogDecay;
+    rp.warm_max = kWarmMaxChunks;
+  }
+  // Pass 0 (every forward): whole sequences, or the transfer maps (V + K columns), the first
+  // pieces and the warm-up pieces; then, when split, the scan and pass 1 (split.cuh).
+  auto chunks = [&](int tiles) -> Status {
+    rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
+    if (vt128)
+      gdn_fwd_chunks<T, 2><<<seq_grid(slots, HV, tiles), FusedCfg<2>::kThreads, FusedCfg<2>::kSmem, stream>>>(rp);
+    else
+      gdn_fwd_chunks<T, 1><<<seq_grid(slots, HV, tiles), FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, stream>>>(rp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
+    return Status::Ok();
+  };
+  rp.pass = 0;
+  s = chunks(sc.max_pieces ? 2 * nr : nr);
+  if (!s.ok() || !sc.max_pieces) return s;
+  gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), 256, 0, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
+  rp.pass = 1;
+  return chunks(nr);
 }
 
 template <class T>
 Status launch(const GdnForwardParams& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const WsLayout wl = ws_layout(p);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
@@ -198,6 +305,7 @@ Status launch(const GdnForwardParams& p) {
   Status ds = device_info(&dinfo);
   if (ds.ok()) ds = prepare_kernels<T>(dinfo);
   if (!ds.ok()) return ds;
+  const WsLayout wl = ws_layout(p, split_choice(p, dinfo->sms));
 
   // Tensor maps of q and k (shared by prep and recurrence); v's is made for prep below.
   CUtensorMap tmq, tmk;

@@ -76,33 +76,18 @@ __device__ void longest_first_order(const SeqDesc& sd, int N, int* order) {
   }
 }
 
-// off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
-// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written),
-// the order is the identity, and the kernels fill their outputs with NaN instead (see
-// fill_nan_outputs).
-__global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready) {
-  for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
+// out[i + 1] = count(0) + .. + count(i) for i < M, out[0] = 0: one block of 1024 threads, in
+// batches of 1024 (warp scans, then a scan of the warp sums).
+template <class Count>
+__device__ void block_prefix_sum(int M, Count count, int* out) {
   __shared__ int warp_sum[32];
   __shared__ int carry;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int* order = off + N + 2;
   if (tid == 0) carry = 0;
-  int bad = 0;
-  if (sd.cu) {
-    for (int n = tid; n < N; n += 1024) bad |= cu_at(sd, n + 1) < cu_at(sd, n);
-    if (tid == 0) bad |= cu_at(sd, 0) != 0 || cu_at(sd, N) != sd.T;
-  }
-  if (__syncthreads_or(bad)) {
-    for (int n = tid; n <= N; n += 1024) off[n] = 0;
-    for (int n = tid; n < N; n += 1024) order[n] = n;
-    if (tid == 0) off[N + 1] = 1;
-    return;
-  }
-  if (tid == 0) off[N + 1] = 0;
-  for (int base = 0; base < N; base += 1024) {
-    const int n = base + tid;
-    const int cnt = n < N ? seq_chunks(sd, n) : 0;
-    int x = cnt;
+  __syncthreads();
+  for (int base = 0; base < M; base += 1024) {
+    const int i = base + tid;
+    int x = i < M ? count(i) : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       int y = __shfl_up_sync(0xffffffffu, x, o);
@@ -121,16 +106,58 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
     }
     __syncthreads();
     const int incl = x + (warp > 0 ? warp_sum[warp - 1] : 0) + carry;
-    if (n < N) off[n + 1] = incl;
+    if (i < M) out[i + 1] = incl;
     __syncthreads();
     if (tid == 1023) carry = incl;
     __syncthreads();
   }
-  if (tid == 0) off[0] = 0;
+  if (tid == 0) out[0] = 0;
+}
+
+// off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
+// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written),
+// the order is the identity, and the kernels fill their outputs with NaN instead (see
+// fill_nan_outputs).
+// With a piece table (split forward, pieces != nullptr; layout piece_table_ints in common.cuh):
+// the pieces of the sequences in launch order (piece_split), their offsets by rank and each
+// piece's rank.
+__global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready,
+                                                        PiecePlan plan = {}, int* pieces = nullptr) {
+  for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
+  const int tid = threadIdx.x;
+  int* order = off + N + 2;
+  int bad = 0;
+  if (sd.cu) {
+    for (int n = tid; n < N; n += 1024) bad |= cu_at(sd, n + 1) < cu_at(sd, n);
+    if (tid == 0) bad |= cu_at(sd, 0) != 0 || cu_at(sd, N) != sd.T;
+  }
+  if (__syncthreads_or(bad)) {
+    for (int n = tid; n <= N; n += 1024) off[n] = 0;
+    for (int n = tid; n < N; n += 1024) order[n] = n;
+    if (tid == 0) off[N + 1] = 1;
+    if (pieces)  // one empty piece per sequence (the kernels only fill NaN)
+      for (int n = tid; n <= N; n += 1024) {
+        pieces[n] = n;
+        if (n < N) pieces[N + 1 + n] = n;
+      }
+    return;
+  }
+  if (tid == 0) off[N + 1] = 0;
+  block_prefix_sum(N, [&](int n) { return seq_chunks(sd, n); }, off);
   if (N == 1) {
     if (tid == 0) order[0] = 0;
   } else {
     longest_first_order(sd, N, order);
+  }
+  if (!pieces) return;
+  __syncthreads();
+  auto split_of = [&](int r) { const int n = order[r]; return piece_split(off[n + 1] - off[n], plan); };
+  block_prefix_sum(N, [&](int r) { return split_of(r).np; }, pieces);
+  __syncthreads();
+  int* rank_of = pieces + N + 1;
+  for (int r = tid; r < N; r += 1024) {
+    const int first = pieces[r], np = split_of(r).np;
+    for (int j = 0; j < np; ++j) rank_of[first + j] = r;
   }
 }
 

@@ -47,6 +47,14 @@ struct RecParams {
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
   CUtensorMap tmv;   // the fused forward (fused_chunks.cuh): v as (d, head, token, batch), box (64, 1, 64, 1)
   float scale;       // the fused forward: the output scale
+  // The split fused forward (split.cuh, docs/split.md); pieces == nullptr: whole sequences.
+  const int* pieces;  // the piece table (piece_table_ints)
+  PiecePlan plan;
+  float* maps;        // per (piece, value head): [K][V + K] fp32, the piece's end state from zero | its transfer map
+  int pass;           // 0: transfer maps, first pieces and warm-up pieces; 1: the other pieces
+  int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
+  float warm_decay;   // warm-up when the chunks before a boundary sum g to at most this (log) ...
+  int warm_max;       // ... within this many chunks (0: never)
 };
 
 constexpr int kStages = 2;

@@ -52,6 +52,17 @@ TEST(Validation, ForwardRejectsBadArguments) {
   f = good;
   f.shape.seqlen = -1;
   expect_error(f, "shape");
+  f = good;
+  f.split = static_cast<qla::SplitMode>(7);
+  expect_error(f, "split: expected SplitMode kAuto, kOff or kOn, got 7");
+  f = good;
+  f.split = qla::SplitMode::kOn;
+  f.split_chunks = -2;
+  expect_error(f, "split_chunks: expected >= 0");
+  f = good;  // the CPU backend accepts and ignores splitting
+  f.split = qla::SplitMode::kOn;
+  f.split_chunks = 1;
+  EXPECT_TRUE(qla::gdn_forward(f).ok());
 }
 
 TEST(Validation, ForwardRejectsBadCuSeqlensValues) {

@@ -76,6 +76,7 @@ struct Case {
   // with beta divided by max(1, |k|^2) so that the recurrence stays stable (beta |k|^2 <= 1).
   float qnorm = 1.f, knorm = 1.f;
   bool spread = false;
+  bool bench_all_decay = false;  // bench inputs: no g = 0 heads (else every 4th head, as in the grid)
 };
 
 static uint16_t to16(float x, DType dt) {
@@ -226,6 +227,9 @@ static void upload_state(float* dst, const std::vector<float>& h, int64_t NHV, S
 // --qk-normalized: pass the unit-norm hint (qk_l2_normalized) with every case whose q, k rows are
 // l2-normalised (the bench rows' are).
 static bool g_qk_hint = false;
+// --split: sequence splitting forced on, into pieces of at least g_split_chunks chunks.
+static qla::SplitMode g_split = qla::SplitMode::kAuto;
+static int g_split_chunks = 0;
 
 static void setup(Problem& P, Dev& D, cudaStream_t stream) {
   const Case& c = P.c;
@@ -270,6 +274,8 @@ static void setup(Problem& P, Dev& D, cudaStream_t stream) {
   p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(K));
   p.qk_l2_normalized = g_qk_hint && c.qnorm == 1.f && c.knorm == 1.f && !c.spread;  // only where true
   p.state_layout = c.layout;
+  p.split = g_split;
+  p.split_chunks = g_split_chunks;
   p.device = qla::Device::kCuda;
   p.stream = stream;
   qla::Status s = qla::sm90::forward_workspace_size(p, &D.ws_bytes);
@@ -300,6 +306,7 @@ static void upload_inputs(const Problem& P, Dev& D) {
   // Poison the outputs: every element must be written.
   CK(cudaMemset(D.o, 0xFF, BT * c.HV * V * 2));
   CK(cudaMemset(D.hT, 0xFF, P.N * c.HV * 128 * state_row_pitch() * 4));
+  CK(cudaMemset(D.ws, 0xFF, D.ws_bytes));  // NaN wherever a kernel would read what none wrote
 }
 
 static void free_dev(Dev& D) {
@@ -380,6 +387,20 @@ static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool gra
   g_max_h = std::max(g_max_h, e.h);
   const double thr = 3e-3;
   bool ok = !e.nan && e.o <= thr && e.h <= thr;
+  {  // bitwise deterministic: a second identical call gives the same o and final state
+    const size_t ob = size_t(c.B) * c.T * c.HV * V * 2, hb = size_t(P.N) * c.HV * 128 * state_row_pitch() * 4;
+    std::vector<uint8_t> o1(ob), h1(hb), o2(ob), h2(hb);
+    CK(cudaMemcpy(o1.data(), D.o, ob, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h1.data(), D.hT, hb, cudaMemcpyDeviceToHost));
+    s = qla::sm90::forward(D.p);
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaMemcpy(o2.data(), D.o, ob, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h2.data(), D.hT, hb, cudaMemcpyDeviceToHost));
+    if (!s.ok() || o1 != o2 || h1 != h2) {
+      std::printf("%-34s second identical call differs bitwise\n", c.name.c_str());
+      ok = false;
+    }
+  }
   std::printf("%-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  o %.3e  state %.3e%s  %s", c.name.c_str(),
               (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, e.o, e.h, e.nan ? " NaN" : "",
               ok ? "ok" : "FAIL");
@@ -437,11 +458,11 @@ __global__ void fill_rows16(uint16_t* x, int64_t rows, int64_t pitch, uint64_t s
   }
 }
 // g = logsigmoid(randn)/16 (0 on every 4th head), beta = sigmoid(randn), fp32; h0 = randn.
-__global__ void fill_gates(float* g, float* beta, int64_t n, int HV, uint64_t seed) {
+__global__ void fill_gates(float* g, float* beta, int64_t n, int HV, uint64_t seed, int zero_heads) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float z = hash_normal(i, seed), y = hash_normal(i, seed + 1);
-  g[i] = (i % HV) % 4 == 0 ? 0.f : -log1pf(expf(-z)) / 16.f;
+  g[i] = zero_heads && (i % HV) % 4 == 0 ? 0.f : -log1pf(expf(-z)) / 16.f;
   beta[i] = 1.f / (1.f + expf(-y));
 }
 __global__ void fill_f32(float* x, int64_t n, uint64_t seed) {
@@ -457,7 +478,7 @@ static void bench_inputs(const Problem& P, Dev& D) {
   fill_rows16<<<blocks(BT * c.H * 32), 256>>>((uint16_t*)D.q, BT * c.H, 128, 11, bf, 1);
   fill_rows16<<<blocks(BT * c.H * 32), 256>>>((uint16_t*)D.k, BT * c.H, 128, 12, bf, 1);
   fill_rows16<<<blocks(BT * c.HV * 32), 256>>>((uint16_t*)D.v, BT * c.HV, 128, 13, bf, 0);
-  fill_gates<<<blocks(BT * c.HV), 256>>>((float*)D.g, (float*)D.beta, BT * c.HV, (int)c.HV, 14);
+  fill_gates<<<blocks(BT * c.HV), 256>>>((float*)D.g, (float*)D.beta, BT * c.HV, (int)c.HV, 14, !c.bench_all_decay);
   if (c.h0) fill_f32<<<blocks(P.N * c.HV * 128 * state_row_pitch()), 256>>>(D.h0, P.N * c.HV * 128 * state_row_pitch(), 15);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
@@ -485,6 +506,7 @@ static double median_ms(cudaStream_t stream, int reps, Run&& run) {
   return ts[ts.size() / 2];
 }
 
+static bool g_bench_lean = false;  // bench(): the dispatched forward only (no two-pass variants)
 static double bench(const Case& c, cudaStream_t stream) {
   Problem P = make_problem(c);
   Dev D;
@@ -500,6 +522,7 @@ static double bench(const Case& c, cudaStream_t stream) {
   const double t = median_s(20);
   double tprep = 0;  // table + prep alone (test builds with hooks)
 #ifdef QLA_SM90_TEST_HOOKS
+  if (!g_bench_lean) {
   qla::sm90::set_test_stages(1);
   tprep = median_s(10);
   qla::sm90::set_test_stages(3);
@@ -518,6 +541,7 @@ static double bench(const Case& c, cudaStream_t stream) {
   qla::sm90::set_test_overlap(-1);
   std::printf("bench %-28s V tile 32: %7.1f us, 64: %7.1f | overlapped prep off %7.1f, on %7.1f\n", c.name.c_str(),
               t32, t64, tov0, tov1);
+  }
 #endif
   const double tok = double(P.c.T) * P.c.B;
   const double flops = 163840.0 * tok * c.HV;
@@ -711,12 +735,14 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
+  bool do_split = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
     if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
     if (std::string(argv[i]) == "--fused") do_fused = true;
+    if (std::string(argv[i]) == "--split") do_split = true;
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
@@ -820,6 +846,71 @@ int main(int argc, char** argv) {
       }
     }
     qla::sm90::set_test_fused(0);
+  }
+  if (do_split) {
+    // Sequence splitting forced on (the fused forward at both V tiles), pieces of 1, 3 and 8
+    // chunks: the exact path (scan of the transfer maps) wherever the gates do not decay by
+    // e^-10 within 8 chunks before every boundary (g = 0, and the benchmark gates with short
+    // pieces), the warm-up path elsewhere (strong decay; benchmark gates with 8-chunk pieces).
+    std::vector<Case> sc = cases;
+    { Case c; c.name = "split: bench dist T4096 GVA4"; c.B = 1; c.T = 4096; c.H = 1; c.HV = 4; c.gmode = 3; sc.push_back(c); }
+    { Case c; c.name = "split: strong decay varlen kVK"; c.lens = {3000, 0, 700, 64, 1300}; c.H = 1; c.HV = 2; c.gmode = 1;
+      c.layout = StateLayout::kVK; sc.push_back(c); }
+    { Case c; c.name = "split: g=0 T4096 no-h0"; c.B = 2; c.T = 4096; c.H = 1; c.HV = 1; c.gmode = 2; c.h0 = false; sc.push_back(c); }
+    for (int vt : {64, 128}) {
+      qla::sm90::set_test_fused(vt);
+      for (int chunks : {1, 3, 8}) {
+        g_split = qla::SplitMode::kOn;
+        g_split_chunks = chunks;
+        std::printf("--- split into pieces of >= %d chunks, V tile %d\n", chunks, vt);
+        g_max_o = g_max_h = 0;
+        for (size_t i = 0; i < sc.size(); ++i) ok = run_case(sc[i], 3579 + i, stream, i == 1 || i == 4) && ok;
+        std::printf("split %d, V tile %d: max o %.2e  max state %.2e\n", chunks, vt, g_max_o, g_max_h);
+      }
+    }
+    g_split = qla::SplitMode::kAuto;
+    g_split_chunks = 0;
+    qla::sm90::set_test_fused(0);
+    if (do_bench) {
+      // Few-pair rows: the two-pass forward, the fused one unsplit, split automatically, and
+      // split into pieces of 16, 32, 64 and 128 chunks (the cost model's calibration).
+      std::vector<Case> rows;
+      auto row = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV, bool all_decay) {
+        Case c; c.name = name; c.B = B; c.T = T; c.H = H; c.HV = HV; c.bench_all_decay = all_decay; rows.push_back(c);
+      };
+      row("2/8 1x32768", 1, 32768, 2, 8, false);
+      row("2/8 1x32768 all decay", 1, 32768, 2, 8, true);
+      row("2/8 1x8192", 1, 8192, 2, 8, false);
+      row("2/8 1x4096", 1, 4096, 2, 8, false);
+      row("16/16 1x32768", 1, 32768, 16, 16, false);
+      row("16/16 1x32768 all decay", 1, 32768, 16, 16, true);
+      row("8/32 1x32768", 1, 32768, 8, 32, false);
+      row("16/32 1x32768", 1, 32768, 16, 32, false);
+      row("4/16 4096x2", 2, 4096, 4, 16, false);
+      g_bench_lean = true;
+      for (const Case& c : rows) {
+        qla::sm90::set_test_fused(-1);
+        const double t2 = bench(c, stream);
+        qla::sm90::set_test_fused(64);
+        g_split = qla::SplitMode::kOff;
+        const double toff = bench(c, stream);
+        g_split = qla::SplitMode::kAuto;
+        const double tauto = bench(c, stream);
+        double ton[4];
+        const int lens[4] = {16, 32, 64, 128};
+        g_split = qla::SplitMode::kOn;
+        for (int k = 0; k < 4; ++k) {
+          g_split_chunks = lens[k];
+          ton[k] = bench(c, stream);
+        }
+        g_split = qla::SplitMode::kAuto;
+        g_split_chunks = 0;
+        std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces 16: %.3f 32: %.3f 64: %.3f 128: %.3f ms\n",
+                    c.name.c_str(), t2 * 1e3, toff * 1e3, tauto * 1e3, ton[0] * 1e3, ton[1] * 1e3, ton[2] * 1e3, ton[3] * 1e3);
+      }
+      g_bench_lean = false;
+      qla::sm90::set_test_fused(0);
+    }
   }
   if (do_inverse) {
     for (size_t i = 0; i < cases.size(); ++i) ok = check_inverse(cases[i], 4321 + i, stream) && ok;

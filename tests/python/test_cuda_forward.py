@@ -43,14 +43,14 @@ def _poison_allocator(*shapes_dtypes):
     del blocks
 
 
-def _check(x, state_v_first=False, scale=None):
+def _check(x, state_v_first=False, scale=None, **opts):
     q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
     N, HV, K, V = cu.numel() - 1, v.shape[2], q.shape[3], v.shape[3]
     if h0 is not None and state_v_first:
         h0 = h0.transpose(-1, -2).contiguous()
     _poison_allocator((v.shape, v.dtype), ((N, HV, K, V), torch.float32))
     o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                                       cu_seqlens=cu, state_v_first=state_v_first)
+                                       cu_seqlens=cu, state_v_first=state_v_first, **opts)
     torch.cuda.synchronize()
     assert not torch.isnan(o).any(), "o has NaN or unwritten elements"
     assert not torch.isnan(ht).any(), "final state has NaN or unwritten elements"
@@ -177,6 +177,53 @@ def test_qk_l2norm_in_kernel_hint_path():
     assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL, (rel_err(o, ro), rel_err(ht, rht))
 
 
+@pytest.mark.parametrize("gate,zero_heads", [("mild", True), ("strong", False), ("zero", False)])
+@pytest.mark.parametrize("split_chunks,state_v_first", [(1, False), (5, True)])
+def test_split_sequences_match_the_unsplit_reference(gate, zero_heads, split_chunks, state_v_first):
+    # Sequence splitting forced on, pieces of 1 or 5 chunks: the exact path (transfer maps and
+    # their scan) for g = 0 heads and mild gates near the sequence start, the warm-up path for
+    # strongly decaying heads and mild ones with 8 chunks before a boundary; ragged and empty
+    # sequences, h0 in both layouts, against the unsplit fp64 reference.
+    x = _inputs([1500, 0, 700, 64, 1], 2, 4, gate, seed=30, zero_heads=zero_heads)
+    e_o, e_h = _check(x, state_v_first=state_v_first, split=True, split_chunks=split_chunks)
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
+def _static_call(x):
+    """Copies of the inputs, and the forward on them (for graph capture: fixed addresses)."""
+    static = {n: t.clone() for n, t in x.items()}
+    run = lambda: qla.chunk_gated_delta_rule(static["q"], static["k"], static["v"], static["g"], static["beta"],
+                                             initial_state=static["initial_state"], output_final_state=True,
+                                             cu_seqlens=static["cu_seqlens"])
+    return static, run
+
+
+def _graph_replay_errors(static, run, fresh):
+    """Captures run, replays it on `fresh` inputs copied into its buffers: (o, state) errors."""
+    graph, (o, ht) = capture_cuda_graph(run)
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        static[n].copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rht = reference(*(fresh[n].cpu() for n in ("q", "k", "v", "g", "beta")),
+                        initial_state=fresh["initial_state"].cpu(), cu_seqlens=fresh["cu_seqlens"].cpu())
+    return rel_err(o, ro), rel_err(ht, rht)
+
+
+def test_split_long_sequence_by_default_deterministic_and_graph_capturable():
+    # One 16384-token sequence on 2 value heads (one with g = 0): the default plan splits it.
+    # Two identical calls give identical bits; a captured graph replays on fresh inputs.
+    x = _inputs([16384], 1, 2, "mild", seed=31, zero_heads=True)
+    e_o, e_h = _check(x)
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+    static, run = _static_call(x)
+    (o1, h1), (o2, h2) = run(), run()
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    e_o, e_h = _graph_replay_errors(static, run, _inputs([16384], 1, 2, "strong", seed=32))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
 def test_batched_without_cu_seqlens_matches_varlen():
     x = _inputs([200, 200], 2, 4, "mild", seed=6)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -188,20 +235,9 @@ def test_batched_without_cu_seqlens_matches_varlen():
 
 
 def test_cuda_graph_capture_and_replay_on_new_inputs():
-    x = _inputs([256, 100], 2, 4, "mild", seed=7)
-    static = {n: t.clone() for n, t in x.items()}
-    run = lambda: qla.chunk_gated_delta_rule(static["q"], static["k"], static["v"], static["g"], static["beta"],
-                                             initial_state=static["initial_state"], output_final_state=True,
-                                             cu_seqlens=static["cu_seqlens"])
-    graph, (o, ht) = capture_cuda_graph(run)
-    fresh = _inputs([256, 100], 2, 4, "strong", seed=8)
-    for n in ("q", "k", "v", "g", "beta", "initial_state"):
-        static[n].copy_(fresh[n])
-    graph.replay()
-    torch.cuda.synchronize()
-    ro, rht = reference(*(fresh[n].cpu() for n in ("q", "k", "v", "g", "beta")),
-                        initial_state=fresh["initial_state"].cpu(), cu_seqlens=fresh["cu_seqlens"].cpu())
-    assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL
+    static, run = _static_call(_inputs([256, 100], 2, 4, "mild", seed=7))
+    e_o, e_h = _graph_replay_errors(static, run, _inputs([256, 100], 2, 4, "strong", seed=8))
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
 def test_inputs_not_modified_and_unsupported_head_dim_is_a_clear_error():

@@ -127,6 +127,19 @@ def test_unknown_keyword_and_gate_arguments():
         _call(transpose_state_layout=True, state_v_first=True)
 
 
+def test_split_arguments():
+    with pytest.raises(TypeError, match=r"split: expected None \(automatic\), True or False, got str"):
+        _call(split="yes")
+    with pytest.raises(TypeError, match=r"split_chunks: expected an int .* got float"):
+        _call(split_chunks=2.0)
+    with pytest.raises(ValueError, match=r"split_chunks: expected at least 1 .* got 0"):
+        _call(split=True, split_chunks=0)
+    with pytest.raises(ValueError, match=r"split_chunks: expected None with split=False"):
+        _call(split=False, split_chunks=4)
+    o, _ = _call(split=True, split_chunks=1)  # CPU calls accept and ignore the options
+    assert torch.allclose(o, _call(split=False)[0])
+
+
 def test_backward_argument_errors():
     x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]

@@ -1,0 +1,196 @@
+// Sequence splitting in the fused forward (docs/split.md): what each CTA of the fused recurrence
+// (fused_chunks.cuh) runs when sequences are cut into pieces, and the scan of the transfer maps.
+//
+// A piece (whole chunks of one sequence) maps its entering state linearly, per state column:
+// S_end = M S_start + R, M (K x K) the product of its chunk transitions, R the piece run from
+// zero. Per (sequence, value head) one of two paths, chosen on the device from the gates alone:
+//   warm-up: every boundary has a few chunks before it (at most warm_max) whose gates sum to at
+//            most warm_decay, so the state entering a piece is the last of those chunks rerun
+//            from zero (the dropped part is scaled by e^(sum g) <= e^warm_decay); every piece
+//            runs in pass 1, independently (pass 0 holds the exact path's larger share).
+//   exact:   pass 0 runs piece 0 from h0 (with o) and, for the middle pieces, R (the V columns,
+//            from zero) and M (K more columns: from the identity with v = 0) into `maps`; the
+//            scan turns R into the state entering the next piece (S_{j+1} = M_j S_j + R_j, fp32,
+//            in place); pass 1 runs pieces 1.. from those states (with o).
+// Heads with g = 0 never warm up. The plan (piece lengths) is a function of each sequence's
+// chunk count (piece_split), and the path of its gates, so a sequence's result does not
+// depend on the rest of the batch for a fixed plan.
+#pragma once
+
+#include "inverse.cuh"
+#include "recurrence.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+constexpr int kMapCols = kDV + kDK;  // maps: [K][V + K] per (piece, value head): R | M
+// The warm-up rule: the chunks before a boundary must sum g to at most kWarmLogDecay within
+// kWarmMaxChunks chunks. The dropped part is then at most e^-16 = 1.1e-7 of the state where the
+// warm-up starts; relative to the state at the boundary it is larger only by how much the state
+// shrinks over the warm-up (keys far below unit norm after a large h0: e^-10 gave 3.7e-3 on the
+// test with |k| = 2^-12; e^-16 keeps such cases far below the bound). The benchmark's gates
+// (about -3.2 per chunk) take 5 or 6 chunks.
+constexpr float kWarmLogDecay = -16.f;
+constexpr int kWarmMaxChunks = 8;
+
+// Gamma (the sum of g) of chunk ci (global index) of value head hv, from the inverse kernel's region.
+__device__ __forceinline__ float chunk_log_decay(const RecParams& p, int ci, int hv) {
+  const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hv) * kInvRegionBytes;
+  return reinterpret_cast<const float*>(reg + kInvGam)[kC - 1];
+}
+// The warm-up length of the boundary before chunk bc of a sequence (first chunk ci0): the fewest
+// chunks before it whose gates sum to at most warm_decay, 0 if warm_max chunks do not.
+__device__ __forceinline__ int warm_chunks(const RecParams& p, int ci0, int hv, int bc) {
+  float s = 0.f;
+  for (int w = 1; w <= p.warm_max && w <= bc; ++w) {
+    s += chunk_log_decay(p, ci0 + bc - w, hv);
+    if (s <= p.warm_decay) return w;
+  }
+  return 0;
+}
+// Whether (sequence, head) takes the warm-up path: every one of its np - 1 boundaries (one warp).
+__device__ __forceinline__ bool warm_path(const RecParams& p, int ci0, int hv, PieceSplit sp, int lane) {
+  bool ok = p.warm_max > 0;
+  for (int j = 1 + lane; ok && j < sp.np; j += 32) ok = warm_chunks(p, ci0, hv, j * sp.len) > 0;
+  return __all_sync(0xffffffffu, ok);
+}
+
+// A fused-recurrence CTA's coordinates before its role is known.
+struct PieceCta {
+  int vt, hv, n;        // column tile (of [V | K] in pass 0 with maps), value head, sequence
+  bool live;            // false: a padding CTA past the last piece or sequence
+  int slot, j;          // the piece's index in the piece table, and within its sequence
+  PieceSplit sp;        // the sequence's pieces
+  int64_t b, t0, slen;  // batch row, first token, length of the sequence
+  int ci0;              // the sequence's first chunk (global index)
+};
+__device__ __forceinline__ PieceCta piece_cta(const RecParams& p) {
+  PieceCta c;
+  c.vt = static_cast<int>(blockIdx.x & ((1u << p.tiles_log2) - 1u));
+  c.hv = static_cast<int>(blockIdx.x >> p.tiles_log2);
+  const int idx = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  int rank = idx;
+  c.slot = idx;
+  c.j = 0;
+  if (p.pieces) {
+    c.live = idx < p.pieces[p.N];
+    rank = c.live ? p.pieces[p.N + 1 + idx] : 0;
+    c.j = idx - p.pieces[rank];
+  } else {
+    c.live = idx < p.N;
+  }
+  c.n = c.live ? p.chunk_off[p.N + 2 + rank] : 0;
+  seq_bounds(p.sd, c.n, c.b, c.t0, c.slen);
+  const int nch = static_cast<int>((c.slen + kC - 1) / kC);
+  c.sp = p.pieces ? piece_split(nch, p.plan) : PieceSplit{1, nch};
+  c.ci0 = p.chunk_off[c.n];
+  return c;
+}
+
+enum : int { kInitZero, kInitH0, kInitIdentity, kInitMaps };  // the state a CTA starts from
+enum : int { kEndNone, kEndFinal, kEndMaps };                 // where its last state goes
+// What a CTA runs: chunks c0 .. c0 + nch - 1 of its sequence, the first nwarm without output.
+struct PieceRole {
+  bool run;
+  int c0, nch, nwarm;
+  int init, end;
+  bool out;  // o is written (the chunks after the warm-up)
+};
+// The role of column tile vt (nr: tiles of V), given the path (warm, and this piece's warm-up
+// length wj); see the top of this file.
+__device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceCta& c, int nr, bool warm, int wj) {
+  PieceRole r{true, 0, 0, 0, kInitZero, kEndNone, true};
+  const int c0 = c.j * c.sp.len;
+  const int plen = min(c.sp.len, static_cast<int>((c.slen + kC - 1) / kC) - c0);  // the piece's chunks
+  const bool last = c.j == c.sp.np - 1, rt = c.vt < nr;
+  r.c0 = c0;
+  r.nch = plen;
+  if (p.pass == 0) {
+    if (c.sp.np == 1) {  // a whole sequence (also every sequence when unsplit)
+      r.run = rt;
+      r.init = kInitH0;
+      r.end = kEndFinal;
+      return r;
+    }
+    if (warm || last || (!rt && c.j == 0)) { r.run = false; return r; }
+    r.init = rt ? (c.j == 0 ? kInitH0 : kInitZero) : kInitIdentity;
+    r.out = rt && c.j == 0;  // the transfer map's columns (v = 0: their tiles lie past v) write none
+    r.end = kEndMaps;
+    return r;
+  }
+  // pass 1: the warm-up path's pieces (beside the exact path's, which are fewer), and the exact
+  // path's pieces 1.. from the scanned states
+  r.end = last ? kEndFinal : kEndNone;
+  if (warm) {
+    r.run = rt;
+    r.init = c.j == 0 ? kInitH0 : kInitZero;
+    r.nwarm = c.j == 0 ? 0 : wj;
+    r.c0 = c0 - r.nwarm;
+    r.nch = plen + r.nwarm;
+    return r;
+  }
+  r.run = rt && c.j > 0;
+  r.init = kInitMaps;
+  return r;
+}
+
+// The scan of the exact path (between passes 0 and 1), per (sequence, value head, 32 state
+// columns): S_{j+1} = M_j S_j + R_j for j = 1 .. np - 2, in place of R_j (R_0 is already S_1, the
+// state after piece 0 run from h0). fp32 with a fixed summation order (bitwise deterministic).
+// 256 threads: thread t computes rows t / 2, columns 16 (t & 1) .. + 15 of the slice.
+constexpr int kScanCols = 32;
+__global__ void __launch_bounds__(256) gdn_fwd_scan(const __grid_constant__ RecParams p) {
+  __shared__ float sS[kDK][kScanCols];  // the state entering piece j (this CTA's columns)
+  const int tid = threadIdx.x;
+  const int cs = static_cast<int>(blockIdx.x % (kDV / kScanCols)), hv = static_cast<int>(blockIdx.x / (kDV / kScanCols));
+  const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  if (rank >= p.N || p.chunk_off[p.N + 1]) return;
+  const int n = p.chunk_off[p.N + 2 + rank];
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), p.plan);
+  if (sp.np < 3) return;
+  const int ci0 = p.chunk_off[n];
+  __shared__ int s_warm;
+  if (tid < 32) {
+    const bool w = warm_path(p, ci0, hv, sp, tid);
+    if (tid == 0) s_warm = w;
+  }
+  __syncthreads();
+  if (s_warm) return;
+  const int slot0 = p.pieces[rank];
+  const int d = tid >> 1, c0 = cs * kScanCols + 16 * (tid & 1);
+  auto map_of = [&](int j) { return p.maps + (static_cast<size_t>(slot0 + j) * p.HV + hv) * kDK * kMapCols; };
+  float acc[16];
+  {
+    const float* r0 = map_of(0) + d * kMapCols + c0;
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) acc[i] = r0[i];
+  }
+  for (int j = 1; j + 1 < sp.np; ++j) {
+    __syncthreads();  // the previous step's reads of sS are done
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) sS[d][16 * (tid & 1) + i] = acc[i];
+    __syncthreads();
+    float* mj = map_of(j);
+    const float* mrow = mj + d * kMapCols + kDV;  // M_j's row d
+    float* rrow = mj + d * kMapCols + c0;
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) acc[i] = rrow[i];
+    for (int e = 0; e < kDK; e += 4) {
+      const float4 m4 = *reinterpret_cast<const float4*>(mrow + e);
+      const float mm[4] = {m4.x, m4.y, m4.z, m4.w};
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k)
+        CUTE_UNROLL
+        for (int i = 0; i < 16; ++i) acc[i] = fmaf(mm[k], sS[e + k][16 * (tid & 1) + i], acc[i]);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) rrow[i] = acc[i];
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
