@@ -115,12 +115,13 @@ NB_MODULE(_C, m) {
       "forward_workspace_size",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
-         int device, bool qk_l2_normalized, int split, int split_chunks) {
+         int device, bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant) {
         // The options that choose the CUDA forward's path also set its workspace.
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, 0, 0, 0);
         p.qk_l2_normalized = qk_l2_normalized;
         p.split = static_cast<qla::SplitMode>(split);
         p.split_chunks = split_chunks;
+        p.batch_invariant = batch_invariant;
         size_t bytes = 0;
         raise_if_error(qla::gdn_forward_workspace_size(p, &bytes));
         return bytes;
@@ -131,13 +132,14 @@ NB_MODULE(_C, m) {
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
          int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads,
-         bool qk_l2_normalized, int split, int split_chunks) {
+         bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant) {
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
                                 workspace, workspace_bytes);
         p.num_threads = num_threads;
         p.qk_l2_normalized = qk_l2_normalized;
         p.split = static_cast<qla::SplitMode>(split);  // SplitMode: 0 auto, 1 off, 2 on
         p.split_chunks = split_chunks;
+        p.batch_invariant = batch_invariant;
         qla::Status s;
         {
           nb::gil_scoped_release release;  // the CPU backend runs for long; let other threads go

@@ -147,6 +147,12 @@ struct GdnForwardParams {
   // split_chunks (kOn only, >= 0): the pieces' minimum length in chunks (0: automatic).
   SplitMode split = SplitMode::kAuto;
   int split_chunks = 0;
+  // Batch invariance (CUDA forward): a sequence's o and final state are bitwise the same
+  // whatever else the call holds (other sequences, other heads: a tensor-parallel shard against
+  // the full head set). The path, the V tile and the pieces (split_chunks, or 64 chunks when 0)
+  // then depend on that sequence's length and its own gates only, at some cost in speed for
+  // many-sequence calls. split = kOff is honoured (no pieces).
+  bool batch_invariant = false;
 
   Device device = Device::kCpu;
   void* stream = nullptr;       // cudaStream_t for Device::kCuda

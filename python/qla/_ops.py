@@ -74,13 +74,14 @@ SPLIT_AUTO, SPLIT_OFF, SPLIT_ON = 0, 1, 2  # the core's SplitMode
 
 
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0):
+                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0, batch_invariant=False):
     """The forward itself; returns (o, final state or None). Called through the custom op
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
     costs more than the launch). qk_normalized: q and k rows have unit l2 norm (the caller
     applied l2norm), a hint that saves the CUDA forward a pass over q. split_mode,
     split_chunks: the CUDA forward's sequence splitting (SPLIT_*; pieces of at least
-    split_chunks chunks of 64 tokens with SPLIT_ON, 0: automatic)."""
+    split_chunks chunks of 64 tokens with SPLIT_ON, 0: automatic). batch_invariant: each
+    sequence's result independent of the rest of the call (the core's batch_invariant)."""
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
     n = _num_seqs(q, cu_seqlens)
@@ -100,11 +101,12 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
              _desc(o), _desc(ht))
     layout = 1 if state_v_first else 0
     if dev.type != "cuda":
-        _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks)
+        _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks,
+                   batch_invariant)
         return o, ht
     _run_cuda(_C.forward, _C.forward_workspace_size,
-              ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks), shape, descs, scale,
-              layout, dev, qk_normalized, split_mode, split_chunks)
+              ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks, batch_invariant), shape,
+              descs, scale, layout, dev, qk_normalized, split_mode, split_chunks, batch_invariant)
     return o, ht
 
 
@@ -123,9 +125,10 @@ def gdn_fwd(
     qk_normalized: bool,
     split_mode: int,
     split_chunks: int,
+    batch_invariant: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, ht = forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                         qk_normalized, split_mode, split_chunks)
+                         qk_normalized, split_mode, split_chunks, batch_invariant)
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))  # an op returns tensors
 
 
@@ -147,7 +150,7 @@ def _cu_desc(cu: Optional[torch.Tensor]) -> tuple:
 
 @gdn_fwd.register_fake
 def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                  qk_normalized, split_mode, split_chunks):
+                  qk_normalized, split_mode, split_chunks, batch_invariant):
     B, T = q.shape[0], q.shape[1]
     o = q.new_empty((B, T, v.shape[2], v.shape[3]))
     if output_final_state:
@@ -224,7 +227,7 @@ def _backward(ctx, do, dht):
     )
     # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,
-            None)
+            None, None)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)

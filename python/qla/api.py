@@ -197,6 +197,12 @@ def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):
     return o, q.new_zeros(_ops.state_shape(q, v, N, state_v_first), dtype=_ops.state_dtype(q))
 
 
+def _check_bool(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__}")
+    return x
+
+
 def _split_args(split, split_chunks) -> Tuple[int, int]:
     """The CUDA forward's splitting options as the core's (SplitMode, split_chunks)."""
     if split is not None and not isinstance(split, bool):
@@ -226,15 +232,17 @@ def chunk_gated_delta_rule_fwd(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     split: Optional[bool] = None,
     split_chunks: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Low-level forward on already-preprocessed inputs (no autograd).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (natural-log decay, <= 0), beta: [B, T, HV];
     initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first). Returns
     (o [B, T, HV, V] in q's dtype, final_state or None). States are fp32, or fp64 when
-    the inputs are fp64. split, split_chunks: as in chunk_gated_delta_rule.
+    the inputs are fp64. split, split_chunks, batch_invariant: as in chunk_gated_delta_rule.
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
+    batch_invariant = _check_bool("batch_invariant", batch_invariant)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
@@ -242,7 +250,7 @@ def chunk_gated_delta_rule_fwd(
     fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
         o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False,
-                    split_mode, split_chunks)
+                    split_mode, split_chunks, batch_invariant)
     return o, (ht if output_final_state else None)
 
 
@@ -315,6 +323,7 @@ def chunk_gated_delta_rule(
     dt_bias: Optional[torch.Tensor] = None,
     split: Optional[bool] = None,
     split_chunks: Optional[int] = None,
+    batch_invariant: bool = False,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
@@ -338,6 +347,11 @@ def chunk_gated_delta_rule(
             chunks rerun from zero; heads with g = 0 always take the exact path. CPU calls
             ignore it.
         split_chunks: with split (implied), pieces of at least this many chunks of 64 tokens.
+        batch_invariant: the CUDA forward gives each sequence bitwise the same o and final
+            state whatever else the call holds (other sequences; other heads, as a
+            tensor-parallel shard against the full head set): its path and pieces then depend
+            on its own length and gates only (pieces of split_chunks, default 64 chunks,
+            unless split=False). Slower for many-sequence calls.
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
             cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
@@ -347,6 +361,7 @@ def chunk_gated_delta_rule(
         (o [B, T, HV, V] in q's dtype, final_state or None)
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
+    batch_invariant = _check_bool("batch_invariant", batch_invariant)
     cu_seqlens_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("chunk_indices", None)
     chunk_size = kwargs.pop("chunk_size", None)
@@ -390,5 +405,5 @@ def chunk_gated_delta_rule(
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
     o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                use_qk_l2norm_in_kernel, split_mode, split_chunks)
+                use_qk_l2norm_in_kernel, split_mode, split_chunks, batch_invariant)
     return o, (ht if output_final_state else None)

@@ -78,7 +78,8 @@ int64_t longest_chunks(const GdnForwardParams& p) {
 // or sequences of at least kFusedMinChunks chunks that it splits (split.cuh; 2/8 at 1x8192: 0.233
 // against 0.239 ms, 1x32768: 0.47 against 0.86), or whenever splitting is forced on. Below that
 // (few pairs of short sequences) the two-pass forward's V tile 32 with the prep beside it is
-// faster (2/8 at 1x4096: 0.135 against 0.172). fp16 inputs take the fused forward at any size
+// faster (2/8 at 1x4096: 0.135 against 0.172). batch_invariant calls take the fused forward
+// always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
 // the params alone (no data), so the workspace query agrees with the launch.
@@ -90,7 +91,7 @@ bool use_fused(const GdnForwardParams& p) {
   if (g_test_vt || g_test_prec >= 0 || g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
 #endif
   if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
-  if (p.split == SplitMode::kOn) return true;
+  if (p.split == SplitMode::kOn || p.batch_invariant) return true;
   if (p.split == SplitMode::kAuto && longest_chunks(p) >= kFusedMinChunks) return true;
   return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
 }
@@ -108,6 +109,7 @@ bool use_fused(const GdnForwardParams& p) {
 // tests/cuda/sm90_forward_test.cu --split --bench (2026-12-01, bench/results/h200.md): it picks
 // the measured best piece count on 2/8 at 1x4096, 1x8192, 1x32768 and 16/16, 8/32 at 1x32768.
 constexpr int kMaxPiecesPerSeq = 64;
+constexpr int kInvariantPieceChunks = 64;  // batch_invariant's pieces: 4096 tokens
 constexpr double kStepUs = 2.0, kStepLoadedUs = 1.0;  // chunk step: kStepUs + kStepLoadedUs (CTAs / SMs)^2
 constexpr double kWaveSteps = 3.0;                     // a wave's fill and state traffic, in steps
 constexpr double kScanStepUs = 4.0;                    // one step of the scan
@@ -137,8 +139,10 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   const int64_t longest = longest_chunks(p);  // device cu_seqlens alone: a bound
   if (longest < 2) return sc;
   int best = 1;
-  if (p.split == SplitMode::kOn && p.split_chunks > 0) {
-    sc.plan.min_chunks = p.split_chunks;
+  if ((p.split == SplitMode::kOn && p.split_chunks > 0) || p.batch_invariant) {
+    // A plan from the caller, or for batch invariance one that no other sequence or head can
+    // change (piece_split applies it to each sequence's own length).
+    sc.plan.min_chunks = p.split_chunks > 0 ? p.split_chunks : kInvariantPieceChunks;
     sc.plan.max_pieces = kMaxPiecesPerSeq;
   } else {
     double best_cost = split_cost(pairs, longest, 1, sms);

@@ -224,6 +224,33 @@ def test_split_long_sequence_by_default_deterministic_and_graph_capturable():
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+def test_batch_invariant_bits_do_not_depend_on_the_batch_or_the_head_count():
+    # batch_invariant=True: two sequences (5000 tokens: split into pieces; 700) give bitwise the
+    # same o and final state alone (V tile 64), inside a call with 40 more sequences (V tile
+    # 128, several waves), and as a tensor-parallel shard (key head 1 and value heads 4-7 of 8).
+    H, HV, lens = 2, 8, [5000, 700]
+    x = _inputs(lens + _mixed_lengths(40, 23, 900), H, HV, "mild", seed=33, zero_heads=True)
+    T2 = sum(lens)
+    cu2 = torch.tensor([0, 5000, T2], dtype=torch.int32, device="cuda")
+
+    def run(q, k, v, g, beta, h0, cu):
+        o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=cu, batch_invariant=True)
+        return o[:, :T2], ht[:2]
+
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    o_all, h_all = run(q, k, v, g, beta, h0, cu)
+    o_two, h_two = run(q[:, :T2], k[:, :T2], v[:, :T2], g[:, :T2], beta[:, :T2], h0[:2], cu2)
+    hs = slice(4, 8)
+    o_tp, h_tp = run(*(t[:, :T2, 1:2].contiguous() for t in (q, k)), v[:, :T2, hs].contiguous(),
+                     g[:, :T2, hs].contiguous(), beta[:, :T2, hs].contiguous(), h0[:2, hs].contiguous(), cu2)
+    torch.cuda.synchronize()
+    assert torch.equal(o_two, o_all) and torch.equal(h_two, h_all), "a sequence's bits changed with the batch"
+    assert torch.equal(o_tp, o_all[:, :, hs]) and torch.equal(h_tp, h_all[:, hs]), "bits changed with the head count"
+    ro, rht = reference(*(t[:, :T2].cpu() for t in (q, k, v, g, beta)), initial_state=h0[:2].cpu(), cu_seqlens=cu2.cpu())
+    assert rel_err(o_two, ro) < TOL and rel_err(h_two, rht) < TOL, (rel_err(o_two, ro), rel_err(h_two, rht))
+
+
 def test_batched_without_cu_seqlens_matches_varlen():
     x = _inputs([200, 200], 2, 4, "mild", seed=6)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]

@@ -136,7 +136,9 @@ def test_split_arguments():
         _call(split=True, split_chunks=0)
     with pytest.raises(ValueError, match=r"split_chunks: expected None with split=False"):
         _call(split=False, split_chunks=4)
-    o, _ = _call(split=True, split_chunks=1)  # CPU calls accept and ignore the options
+    with pytest.raises(TypeError, match=r"batch_invariant: expected True or False, got int"):
+        _call(batch_invariant=1)
+    o, _ = _call(split=True, split_chunks=1, batch_invariant=True)  # CPU calls accept and ignore the options
     assert torch.allclose(o, _call(split=False)[0])
 
 
