@@ -251,6 +251,18 @@ def test_batch_invariant_bits_do_not_depend_on_the_batch_or_the_head_count():
     assert rel_err(o_two, ro) < TOL and rel_err(h_two, rht) < TOL, (rel_err(o_two, ro), rel_err(h_two, rht))
 
 
+def test_fp16_unit_norm_hint_with_few_pairs():
+    # fp16 with use_qk_l2norm_in_kernel=True on 2 pairs takes the two-pass forward: the binding's
+    # workspace query must see the hint (without it, it sized the fused forward's workspace).
+    x = _inputs([300, 77], 1, 1, "mild", dtype=torch.float16, seed=34)
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True)
+    ro, rht = reference(qla.l2norm(q).cpu(), qla.l2norm(k).cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                        initial_state=h0.cpu(), cu_seqlens=cu.cpu())
+    assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL, (rel_err(o, ro), rel_err(ht, rht))
+
+
 def test_batched_without_cu_seqlens_matches_varlen():
     x = _inputs([200, 200], 2, 4, "mild", seed=6)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]

@@ -1,0 +1,31 @@
+#!/bin/bash
+# Forward grid rows beside the peers, in one device call without building QLA on the device: QLA
+# from the wheel in dist/ (built on the development machine with Python 3.12), the peers from
+# .whl/ (scripts/fetch_peer_wheels.sh). The peers' JIT caches are filled first, one background
+# process per head configuration (up to WARM_S seconds), then one run_grid.py process times every
+# backend on every row. Run on the device from the repo root with carry ["dist", ".whl"]:
+#   HEADS=2/8,16/16 TARGET_MS=50 bash scripts/grid_from_wheel.sh
+# Results in $OUT/grid_few.{md,json,log}.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
+[[ -f .whl/tilelang_z3.tar.xz ]] && python3 -c "import tarfile; tarfile.open('.whl/tilelang_z3.tar.xz').extractall('/tmp/site')"
+export PYTHONPATH=/tmp/site
+uv=/tmp/qla_quick_env
+if [[ ! -x $uv/bin/python ]]; then
+  torch_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  python3 -m venv "$uv"
+  echo "$torch_site" > "$("$uv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/reuse_installed_torch.pth"
+fi
+"$uv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall dist/qla-*-cp312-*.whl 2>&1 | grep -v WARNING | tail -2
+HEADS=${HEADS:-2/8,16/16}
+mkdir -p /tmp/qla_warm
+for hh in ${HEADS//,/ }; do
+  setsid nohup timeout 400 "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$hh" --backends fla,flashqla --no-graph \
+    --warmup 0 --iters 1 --target-ms 1 --json /tmp/qla_warm/${hh/\//_}.json > /tmp/qla_warm/${hh/\//_}.log 2>&1 < /dev/null &
+done
+t0=$(date +%s); sleep 5
+while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_S:-260} )); do sleep 5; done
+echo "warm: $(( $(date +%s) - t0 )) s, still running: $(pgrep -fc 'qla_warm/' || true)"
+timeout ${GRID_S:-200} "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$HEADS" --backends qla,fla,flashqla \
+  --target-ms ${TARGET_MS:-50} --json $OUT/grid_few.json --out $OUT/grid_few.md > $OUT/grid_few.log 2>&1
+echo "grid rc=$?"; tail -30 $OUT/grid_few.log
