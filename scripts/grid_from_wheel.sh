@@ -5,7 +5,12 @@
 # process per head configuration (up to WARM_S seconds), then one run_grid.py process times every
 # backend on every row. Run on the device from the repo root with carry ["dist", ".whl"]:
 #   HEADS=2/8,16/16 TARGET_MS=50 bash scripts/grid_from_wheel.sh
-# Results in $OUT/grid_few.{md,json,log}.
+# HEADS defaults to every head configuration of the grid; SHARD=i/n times every n-th row from the
+# i-th. The whole grid takes three calls on one warm machine (the JIT caches stay while it is
+# warm, 30 s after a call): WARM_S=480 GRID_S=0 (the nine configurations' caches), then
+# WARM_S=0 GRID_S=540 SHARD=1/2, then the same with SHARD=2/2. Results in
+# $OUT/grid_few.{md,json,log}; run_grid.py rewrites them after every row, so a call cut short
+# keeps what it timed. Shards merge with `bench/run_grid.py --merge`.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
 [[ -f .whl/tilelang_z3.tar.xz ]] && python3 -c "import tarfile; tarfile.open('.whl/tilelang_z3.tar.xz').extractall('/tmp/site')"
@@ -17,15 +22,19 @@ if [[ ! -x $uv/bin/python ]]; then
   echo "$torch_site" > "$("$uv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/reuse_installed_torch.pth"
 fi
 "$uv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall dist/qla-*-cp312-*.whl 2>&1 | grep -v WARNING | tail -2
-HEADS=${HEADS:-2/8,16/16}
-mkdir -p /tmp/qla_warm
-for hh in ${HEADS//,/ }; do
-  setsid nohup timeout 400 "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$hh" --backends fla,flashqla --no-graph \
-    --warmup 0 --iters 1 --target-ms 1 --json /tmp/qla_warm/${hh/\//_}.json > /tmp/qla_warm/${hh/\//_}.log 2>&1 < /dev/null &
-done
-t0=$(date +%s); sleep 5
-while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_S:-260} )); do sleep 5; done
-echo "warm: $(( $(date +%s) - t0 )) s, still running: $(pgrep -fc 'qla_warm/' || true)"
+HEADS=${HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32}
+if (( ${WARM_S:-260} > 0 )); then  # never beside the timing: the grid starts once these are done
+  mkdir -p /tmp/qla_warm
+  for hh in ${HEADS//,/ }; do
+    setsid nohup timeout 400 "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$hh" --backends fla,flashqla --no-graph \
+      --warmup 0 --iters 1 --target-ms 1 --json /tmp/qla_warm/${hh/\//_}.json > /tmp/qla_warm/${hh/\//_}.log 2>&1 < /dev/null &
+  done
+  t0=$(date +%s); sleep 5
+  while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_S:-260} )); do sleep 5; done
+  echo "warm: $(( $(date +%s) - t0 )) s, still running: $(pgrep -fc 'qla_warm/' || true)"
+fi
+(( ${GRID_S:-200} > 0 )) || exit 0  # warm-up only
 timeout ${GRID_S:-200} "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$HEADS" --backends qla,fla,flashqla \
-  --target-ms ${TARGET_MS:-50} --json $OUT/grid_few.json --out $OUT/grid_few.md > $OUT/grid_few.log 2>&1
+  ${SHARD:+--shard $SHARD} --target-ms ${TARGET_MS:-50} --json $OUT/grid_few.json --out $OUT/grid_few.md \
+  > $OUT/grid_few.log 2>&1
 echo "grid rc=$?"; tail -30 $OUT/grid_few.log

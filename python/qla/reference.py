@@ -7,6 +7,8 @@
   in the order the sm90 backward kernels compute it (docs/backward.md numbers the equations).
 - ``split_forward``: the forward with each sequence cut into pieces that run in parallel
   (docs/gdn.md section 5; the plan for few-head long rows, docs/split.md).
+- ``split_backward``: the backward cut the same way: the state gradient crosses the pieces
+  through the transposed transfer maps, or through the warm-up mirror.
 """
 from __future__ import annotations
 
@@ -48,32 +50,89 @@ def split_forward(q, k, v, g, beta, scale: Optional[float] = None, initial_state
     the last w chunks of piece p - 1 run from zero, which drops the older state's contribution,
     scaled by the exponential of the sum of g over those w chunks (right for decaying heads,
     wrong for heads with g ~ 0)."""
+    bounds, starts = _split_states(q, k, v, g, beta, scale, initial_state, pieces, chunk, warmup_chunks)
+    outs, S = [], None
+    for (a, b), Sa in zip(bounds, starts):  # pass 3
+        o, S = chunked(*[x[:, a:b] for x in (q, k, v, g, beta)], scale=scale, initial_state=Sa, chunk=chunk)
+        outs.append(o)
+    return torch.cat(outs, 1), S
+
+
+def _piece_bounds(T: int, pieces: int, chunk: int):
+    """[a, b) token ranges of the pieces: whole chunks, the last one shorter; one empty piece for T = 0."""
+    per = -(-max(1, -(-T // chunk)) // pieces) * chunk  # tokens per piece (whole chunks)
+    return [(a, min(a + per, T)) for a in range(0, T, per)] or [(0, 0)]
+
+
+def _transfer_map(q, k, g, beta, scale, chunk):
+    """A (K x K per row and head) of a piece: S_end = A S_start + R, the piece run on the identity with v = 0."""
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    eye = torch.eye(K, dtype=q.dtype, device=q.device).expand(B, HV, K, K).contiguous()
+    _, A = chunked(q, k, q.new_zeros(B, T, HV, K), g, beta, scale=scale, initial_state=eye, chunk=chunk)
+    return A
+
+
+def _split_states(q, k, v, g, beta, scale, initial_state, pieces, chunk, warmup_chunks):
+    """The pieces' bounds and the state entering each (passes 1 and 2 of split_forward)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
     S0 = initial_state if initial_state is not None else q.new_zeros(B, HV, K, V)
-    per = -(-max(1, -(-T // chunk)) // pieces) * chunk  # tokens per piece (whole chunks)
-    bounds = [(a, min(a + per, T)) for a in range(0, T, per)] or [(0, 0)]
-    sl = lambda x, a, b: x[:, a:b]
+    bounds = _piece_bounds(T, pieces, chunk)
     starts = [S0]
-    for i, (a, b) in enumerate(bounds[:-1]):
-        args = [sl(x, a, b) for x in (q, k, v, g, beta)]
+    for a, b in bounds[:-1]:
+        args = [x[:, a:b] for x in (q, k, v, g, beta)]
         if warmup_chunks is None:
             _, R = chunked(*args, scale=scale, chunk=chunk)  # pass 1: from zero
-            eye = torch.eye(K, dtype=q.dtype, device=q.device).expand(B, HV, K, K)
-            zero_v = q.new_zeros(B, b - a, HV, K)
-            _, A = chunked(args[0], args[1], zero_v, args[3], args[4], scale=scale, initial_state=eye.contiguous(),
-                           chunk=chunk)
+            A = _transfer_map(args[0], args[1], args[3], args[4], scale, chunk)
             starts.append(A @ starts[-1] + R)  # pass 2 (a sequential scan in the kernels: P - 1 steps)
         else:
             w0 = max(a, b - warmup_chunks * chunk)
-            _, Sw = chunked(*[sl(x, w0, b) for x in (q, k, v, g, beta)], scale=scale, chunk=chunk)
+            _, Sw = chunked(*[x[:, w0:b] for x in (q, k, v, g, beta)], scale=scale, chunk=chunk)
             starts.append(Sw)
-    outs, S = [], None
-    for (a, b), Sa in zip(bounds, starts):  # pass 3
-        o, S = chunked(*[sl(x, a, b) for x in (q, k, v, g, beta)], scale=scale, initial_state=Sa, chunk=chunk)
-        outs.append(o)
-    return torch.cat(outs, 1), S
+    return bounds, starts
+
+
+def split_backward(q, k, v, g, beta, do, dht=None, scale: Optional[float] = None, initial_state=None,
+                   pieces: int = 2, chunk: int = 64, warmup_chunks: Optional[int] = None):
+    """``chunked_backward`` with every batch row cut into ``pieces`` pieces (as split_forward):
+    (dq, dk, dv, dg, dbeta, dh0).
+
+    A piece's gradients need only the state entering it (split_forward's scan) and the gradient
+    of the state leaving it, dS_end. The state gradient runs backward, and a piece maps it
+    linearly: dS_start = A_p^T dS_end + D_p, with A_p the forward transfer map and D_p the
+    piece's backward from dS_end = 0 (its own outputs' part; it does not depend on the state).
+
+    Exact (``warmup_chunks`` None): pass 1, parallel over pieces 1..P-1, D_p and A_p; pass 2 a
+    reverse scan from dht, dS_end(p - 1) = A_p^T dS_end(p) + D_p; pass 3, parallel, every
+    piece's backward from its entering state and its dS_end. The maps are the forward's, for
+    pieces 1..P-1 (the forward's scan uses those of 0..P-2).
+
+    Warm-up mirror (``warmup_chunks`` = w, states from split_forward's warm-up too): dS_end(p)
+    is the backward of the first w chunks of piece p + 1 from dS = 0, which drops the later part
+    of the gradient, scaled by the exponential of the sum of g over those w chunks."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else scale
+    bounds, starts = _split_states(q, k, v, g, beta, scale, initial_state, pieces, chunk, warmup_chunks)
+    P = len(bounds)
+    piece = lambda a, b: [x[:, a:b] for x in (q, k, v, g, beta)]
+    ends = [None] * P
+    ends[-1] = dht
+    for p in range(P - 1, 0, -1):
+        a, b = bounds[p]
+        if warmup_chunks is None:
+            *_, D = chunked_backward(*piece(a, b), do[:, a:b], None, scale=scale, chunk=chunk)
+            At = _transfer_map(q[:, a:b], k[:, a:b], g[:, a:b], beta[:, a:b], scale, chunk).transpose(-1, -2)
+            ends[p - 1] = D if ends[p] is None else At @ ends[p].to(D.dtype) + D
+        else:
+            w1 = min(b, a + warmup_chunks * chunk)
+            *_, ends[p - 1] = chunked_backward(*piece(a, w1), do[:, a:w1], None, scale=scale, chunk=chunk)
+    grads = [chunked_backward(*piece(a, b), do[:, a:b], ends[p], scale=scale, initial_state=starts[p], chunk=chunk)
+             for p, (a, b) in enumerate(bounds)]
+    cat = lambda i: torch.cat([gr[i] for gr in grads], 1)
+    return cat(0), cat(1), cat(2), cat(3), cat(4), grads[0][5]
 
 
 def chunked(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, chunk: int = 64):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import make_inputs, reference, rel_err
-from qla.reference import chunked, recurrent, split_forward
+from qla.reference import chunked, chunked_backward, recurrent, split_backward, split_forward
 
 
 @pytest.mark.parametrize("gate", ["mild", "very_strong", "zero"])
@@ -43,3 +43,39 @@ def test_split_forward_warmup_needs_decay():
     ro, _ = reference(*args, initial_state=x["initial_state"])
     o, _ = split_forward(*args, initial_state=x["initial_state"], pieces=4, warmup_chunks=1)
     assert rel_err(o, ro) > 1e-2
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7])
+@pytest.mark.parametrize("gate", ["mild", "zero"])
+def test_split_backward_is_exact(pieces, gate):
+    # The backward cut into pieces (issue 14): each piece from the scanned entering state and the
+    # state gradient leaving it, which crosses the boundaries through the transposed transfer
+    # maps; equal to the unsplit backward, with and without h0 and dht, GVA, ragged T.
+    x = make_inputs(2, 333, 2, 4, 16, 8, torch.float64, gate=gate)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(2, 333, 4, 8, dtype=torch.float64, generator=gen)
+    dht = torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=gen)
+    for h0, dh in ((x["initial_state"], dht), (None, None)):
+        want = chunked_backward(*args, do, dh, initial_state=h0)
+        got = split_backward(*args, do, dh, initial_state=h0, pieces=pieces)
+        for name, w, gt in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), want, got):
+            assert rel_err(gt, w) < 1e-11, (name, rel_err(gt, w))
+
+
+def test_split_backward_warmup_mirror_needs_decay():
+    # The mirror of the forward's warm-up: the gradient leaving a piece from the first w chunks
+    # of the next one run backward from zero; accurate where the gate decays, not with g = 0.
+    x = make_inputs(1, 1024, 1, 1, 16, 16, torch.float64, gate="mild")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    gen = torch.Generator().manual_seed(6)
+    do = torch.randn(1, 1024, 1, 16, dtype=torch.float64, generator=gen)
+    want = chunked_backward(*args, do, None, initial_state=x["initial_state"])
+    errs = [max(rel_err(gt, w) for gt, w in zip(split_backward(*args, do, None, initial_state=x["initial_state"],
+                                                              pieces=4, warmup_chunks=wc), want))
+            for wc in (1, 2, 3)]
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-5, errs
+    args[3] = torch.zeros_like(args[3])
+    want = chunked_backward(*args, do, None, initial_state=x["initial_state"])
+    got = split_backward(*args, do, None, initial_state=x["initial_state"], pieces=4, warmup_chunks=1)
+    assert max(rel_err(gt, w) for gt, w in zip(got, want)) > 1e-2

@@ -1,0 +1,162 @@
+"""The sequence-splitting cost model of the sm90 forward (src/sm90/gdn_fwd_sm90.cu, split_cost)
+against measured times: calibration and check, on any machine (no GPU).
+
+Input: the lines that `sm90_forward_test --split --bench` prints on the device (one per row:
+the two-pass, unsplit fused and automatic times, then the times with pieces of at least 16, 32,
+64 and 128 chunks), e.g. bench/results/raw/fwd_split_bench_2026-12-01.txt. The model's
+coefficients are read from the C++ source, so that this script and the kernels' plan cannot
+disagree; --fit searches coefficients that rank the piece counts as measured and prints them
+for the source.
+
+    python3 bench/split_cost_model.py bench/results/raw/fwd_split_bench_2026-12-01.txt
+    python3 bench/split_cost_model.py --fit bench/results/raw/fwd_split_bench_2026-12-01.txt
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import re
+import sys
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90", "gdn_fwd_sm90.cu")
+_NAMES = ("kStepUs", "kStepLoadedUs", "kWaveSteps", "kScanStepUs", "kPassUs", "kExactShare")
+_PIECE_MIN = (16, 32, 64, 128)  # the harness's forced minimum piece lengths, in chunks
+SMS = 132
+
+
+def source_coefficients(path: str = _SRC) -> dict:
+    """The model's constants as the C++ source defines them (constexpr double / int)."""
+    text = open(path).read()
+    co = {}
+    for name in _NAMES + ("kWarmChunksTypical", "kMaxPiecesPerSeq"):
+        m = re.search(r"\b" + name + r"\s*=\s*([0-9.]+)", text)
+        if not m:
+            raise SystemExit(f"{path}: no constant {name}")
+        co[name] = float(m.group(1))
+    return co
+
+
+def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS) -> float:
+    """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence."""
+    def run(ctas: float, steps: int) -> float:
+        if ctas <= 0:
+            return 0.0
+        waves = math.ceil(ctas / sms)
+        active = min(ctas, sms) / sms
+        return waves * (steps + co["kWaveSteps"]) * (co["kStepUs"] + co["kStepLoadedUs"] * active * active)
+
+    if np_ <= 1:
+        return run(2.0 * pairs, longest)
+    length = math.ceil(longest / np_)
+    exact = co["kExactShare"] * pairs
+    warm = pairs - exact
+    return (run(exact * (2 + 4 * (np_ - 2)), length)
+            + run(exact * 2 * (np_ - 1) + warm * 2 * np_, length + int(co["kWarmChunksTypical"]))
+            + (np_ - 2) * co["kScanStepUs"] + co["kPassUs"])
+
+
+def pieces_of(longest: int, min_chunks: int, max_pieces: int) -> int:
+    """piece_split's count for the longest sequence (common.cuh)."""
+    if longest <= min_chunks:
+        return 1
+    np_ = min(math.ceil(longest / min_chunks), max_pieces)
+    length = math.ceil(longest / np_)
+    return math.ceil(longest / length)
+
+
+def parse(path: str) -> list:
+    """Rows of the harness output: shape and {piece count: ms} (1: the unsplit fused forward)."""
+    rows = []
+    pat = re.compile(r"bench-split (\d+)/(\d+) (\d+)x(\d+)( all decay)?\s+two-pass ([0-9.]+)\s+fused ([0-9.]+)\s+"
+                     r"auto ([0-9.]+)\s+\|\s+pieces 16: ([0-9.]+) 32: ([0-9.]+) 64: ([0-9.]+) 128: ([0-9.]+)")
+    for line in open(path):
+        m = pat.search(line)
+        if not m:
+            continue
+        h, hv, a, b = (int(m.group(i)) for i in range(1, 5))
+        nseq, T = min(a, b), max(a, b)  # layouts as in the grid: 1x32768, 4096x2 (sequences x length either way)
+        longest = math.ceil(T / 64)
+        times = {1: float(m.group(7))}
+        for lmin, t in zip(_PIECE_MIN, (float(m.group(i)) for i in range(9, 13))):
+            times.setdefault(pieces_of(longest, lmin, 64), float(t))
+        rows.append(dict(name=line.split("two-pass")[0].replace("bench-split", "").strip(), pairs=nseq * hv,
+                         longest=longest, all_decay=bool(m.group(5)), times=times, auto=float(m.group(8))))
+    return rows
+
+
+def _row_coefficients(co: dict, row: dict) -> dict:
+    """The all-decay rows have no exact-path head."""
+    return dict(co, kExactShare=0.0) if row["all_decay"] else co
+
+
+def misfit_ms(co: dict, rows: list) -> float:
+    """Root mean square, over rows and piece counts, of the error in the time differences
+    t(P) - t(P') between the piece counts of one row (ms): the fixed costs (table, inverse kernel)
+    cancel, what is left is what the plan chooses by."""
+    errs = []
+    for r in rows:
+        c = _row_coefficients(co, r)
+        ps = sorted(r["times"])
+        for p in ps[1:]:
+            d_meas = r["times"][p] - r["times"][ps[0]]
+            d_pred = (cost_us(c, r["pairs"], r["longest"], p) - cost_us(c, r["pairs"], r["longest"], ps[0])) * 1e-3
+            errs.append((d_pred - d_meas) ** 2)
+    return math.sqrt(sum(errs) / max(1, len(errs)))
+
+
+def best_pieces(co: dict, row: dict) -> int:
+    cands = range(1, int(co["kMaxPiecesPerSeq"]) + 1)
+    return min((p for p in cands if p <= row["longest"]), key=lambda p: cost_us(co, row["pairs"], row["longest"], p))
+
+
+def regret(co: dict, rows: list) -> float:
+    """Geometric mean over rows of (measured time at the model's choice among the measured piece
+    counts) / (best measured time): 1.0 when the model picks the measured best everywhere."""
+    logs = []
+    for r in rows:
+        if r["all_decay"]:
+            continue  # the model assumes the benchmark's mix of exact and warm-up heads
+        measured = r["times"]
+        pick = min(measured, key=lambda p: cost_us(co, r["pairs"], r["longest"], p))
+        logs.append(math.log(measured[pick] / min(measured.values())))
+    return math.exp(sum(logs) / max(1, len(logs)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="sm90_forward_test --split --bench output")
+    ap.add_argument("--fit", action="store_true", help="search coefficients with the least regret")
+    args = ap.parse_args(argv)
+    rows = parse(args.results)
+    if not rows:
+        print(f"{args.results}: no bench-split lines")
+        return 1
+    co = source_coefficients()
+    print("coefficients (src/sm90/gdn_fwd_sm90.cu): " + ", ".join(f"{n} {co[n]:g}" for n in _NAMES))
+    for r in rows:
+        ms = "  ".join(f"P{p}: {t:.3f}" for p, t in sorted(r["times"].items()))
+        best = min(r["times"], key=r["times"].get)
+        print(f"{r['name']:<26} measured {ms}  | best P{best}; model picks P{best_pieces(co, r)} "
+              f"(auto ran {r['auto']:.3f} ms)")
+    print(f"regret (measured time at the model's pick / best, geomean over the mixed-gate rows): {regret(co, rows):.3f}")
+    print(f"misfit of the time differences between piece counts: {misfit_ms(co, rows) * 1e3:.1f} us rms")
+    if args.fit:
+        # The mixed-gate rows' exact share is the benchmark's (a quarter of the heads have g = 0).
+        grid = dict(kStepUs=[1.5, 1.75, 2.0, 2.25, 2.5], kStepLoadedUs=[0.0, 0.5, 1.0, 1.5, 2.0],
+                    kWaveSteps=[0, 3, 6], kScanStepUs=[2.0, 4.0, 8.0])
+        best = None
+        for vals in itertools.product(*grid.values()):
+            c = dict(co, **dict(zip(grid, vals)))
+            key = (misfit_ms(c, rows), -regret(c, rows))
+            if regret(c, rows) <= regret(co, rows) + 1e-9 and (best is None or key < best[0]):
+                best = (key, c)
+        if best:
+            print("least misfit {:.1f} us rms (regret {:.3f}) with ".format(best[0][0] * 1e3, -best[0][1])
+                  + ", ".join(f"{n} {best[1][n]:g}" for n in _NAMES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

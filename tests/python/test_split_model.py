@@ -1,0 +1,31 @@
+"""The sm90 forward's splitting cost model (bench/split_cost_model.py reads its coefficients from
+src/sm90/gdn_fwd_sm90.cu) against the committed device measurements: no GPU needed."""
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import split_cost_model as scm  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "bench", "results", "raw", "fwd_split_bench_2026-12-01.txt")
+
+
+def test_model_picks_the_measured_best_piece_count():
+    rows = scm.parse(RESULTS)
+    assert len(rows) == 9 and {r["name"] for r in rows} >= {"2/8 1x32768", "16/16 1x32768", "4/16 4096x2"}
+    co = scm.source_coefficients()
+    assert scm.regret(co, rows) < 1.001  # on every mixed-gate row the pick is the fastest measured
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["4/16 4096x2"]["pairs"] == 32 and by_name["4/16 4096x2"]["longest"] == 64
+    assert scm.best_pieces(co, by_name["2/8 1x32768"]) == 8
+    assert scm.best_pieces(co, by_name["4/16 4096x2"]) == 1  # 32 pairs of 64 chunks: not split
+
+
+def test_piece_count_matches_the_kernels_rule():
+    # piece_split (common.cuh): the longest sequence's pieces from a minimum length and a cap.
+    assert scm.pieces_of(512, 64, 64) == 8
+    assert scm.pieces_of(5, 3, 64) == 2   # len 3: pieces of 3 and 2
+    assert scm.pieces_of(47, 1, 64) == 47
+    assert scm.pieces_of(64, 64, 64) == 1
+    assert scm.pieces_of(4096, 1, 64) == 64
