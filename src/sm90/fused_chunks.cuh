@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
   // The piece's maps (split.cuh): its own, or the previous piece's R, which the scan made the
   // state entering this one.
-  float* maps = p.maps + (static_cast<size_t>(tile.slot - (role.init == kInitMaps)) * p.HV + hv) * kDK * kMapCols;
+  float* maps = p.maps ? map_at(p, tile.map - (role.init == kInitMaps), hv) : nullptr;
   if (role.init == kInitH0 && p.h0) {
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) {

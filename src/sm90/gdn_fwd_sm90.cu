@@ -131,6 +131,7 @@ double split_cost(int64_t pairs, int64_t longest, int np, int sms) {
 struct SplitChoice {
   PiecePlan plan;
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
+  int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
 };
 SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   SplitChoice sc;
@@ -156,6 +157,11 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   }
   if (longest <= sc.plan.min_chunks) return SplitChoice{};
   sc.max_pieces = std::min<int64_t>(N * sc.plan.max_pieces, N + max_chunks(p) / sc.plan.min_chunks);
+  // Maps: a sequence of len tokens has np - 1 <= (ceil(len / 64) - 1) / min_chunks < len / (64 min_chunks)
+  // pieces with one, so a call has fewer than T / (64 min_chunks): at most 1/8 of v's bytes with
+  // pieces of >= 64 chunks (batch_invariant), however many short sequences it holds.
+  const int64_t tokens = p.cu_seqlens.data ? p.shape.seqlen : p.shape.batch * p.shape.seqlen;
+  sc.max_maps = std::min<int64_t>(N * (sc.plan.max_pieces - 1), tokens / (int64_t(kC) * sc.plan.min_chunks));
   return sc;
 }
 
@@ -174,7 +180,7 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   w.pieces = w.ready + up(4 * mc * HV);
   w.regions = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);
   w.maps = w.regions + up(mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes));
-  w.total = w.maps + np * HV * kDK * kMapCols * 4;
+  w.total = w.maps + static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
   return w;
 }
 WsLayout ws_layout(const GdnForwardParams& p) {

@@ -25,6 +25,12 @@ namespace sm90 {
 namespace {
 
 constexpr int kMapCols = kDV + kDK;  // maps: [K][V + K] per (piece, value head): R | M
+// Only pieces followed by another of the same sequence have maps: piece j of the sequence of
+// rank r (first piece at slot first) has map index first - r + j, so the maps of a call number
+// at most the sum over sequences of (pieces - 1) <= chunks / min_chunks, whatever N is.
+__device__ __forceinline__ float* map_at(const RecParams& p, int index, int hv) {
+  return p.maps + (static_cast<size_t>(index) * p.HV + hv) * kDK * kMapCols;
+}
 // The warm-up rule: the chunks before a boundary must sum g to at most kWarmLogDecay within
 // kWarmMaxChunks chunks. The dropped part is then at most e^-16 = 1.1e-7 of the state where the
 // warm-up starts; relative to the state at the boundary it is larger only by how much the state
@@ -61,6 +67,7 @@ struct PieceCta {
   int vt, hv, n;        // column tile (of [V | K] in pass 0 with maps), value head, sequence
   bool live;            // false: a padding CTA past the last piece or sequence
   int slot, j;          // the piece's index in the piece table, and within its sequence
+  int map;              // its map index (map_at), valid for j < np - 1
   PieceSplit sp;        // the sequence's pieces
   int64_t b, t0, slen;  // batch row, first token, length of the sequence
   int ci0;              // the sequence's first chunk (global index)
@@ -80,6 +87,7 @@ __device__ __forceinline__ PieceCta piece_cta(const RecParams& p) {
   } else {
     c.live = idx < p.N;
   }
+  c.map = idx - rank;
   c.n = c.live ? p.chunk_off[p.N + 2 + rank] : 0;
   seq_bounds(p.sd, c.n, c.b, c.t0, c.slen);
   const int nch = static_cast<int>((c.slen + kC - 1) / kC);
@@ -159,9 +167,9 @@ __global__ void __launch_bounds__(256) gdn_fwd_scan(const __grid_constant__ RecP
   }
   __syncthreads();
   if (s_warm) return;
-  const int slot0 = p.pieces[rank];
+  const int map0 = p.pieces[rank] - rank;
   const int d = tid >> 1, c0 = cs * kScanCols + 16 * (tid & 1);
-  auto map_of = [&](int j) { return p.maps + (static_cast<size_t>(slot0 + j) * p.HV + hv) * kDK * kMapCols; };
+  auto map_of = [&](int j) { return map_at(p, map0 + j, hv); };
   float acc[16];
   {
     const float* r0 = map_of(0) + d * kMapCols + c0;

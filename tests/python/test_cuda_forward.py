@@ -251,6 +251,29 @@ def test_batch_invariant_bits_do_not_depend_on_the_batch_or_the_head_count():
     assert rel_err(o_two, ro) < TOL and rel_err(h_two, rht) < TOL, (rel_err(o_two, ro), rel_err(h_two, rht))
 
 
+def test_batch_invariant_workspace_with_many_short_sequences():
+    # batch_invariant fixes pieces of >= 64 chunks for every sequence; the transfer maps are
+    # sized by the tokens (fewer than T / 4096 pieces have one), not by the sequence count: 4000
+    # sequences of 100 tokens need none, and the bound adds ~50 MB here, not gigabytes.
+    from qla import _ops
+    N, L, H, HV, D = 4000, 100, 1, 2, 128
+    T = N * L
+    q = torch.empty(1, T, H, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.empty(1, T, HV, D, dtype=torch.bfloat16, device="cuda")
+    g = torch.empty(1, T, HV, device="cuda")
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
+    descs = (_ops._desc(q), _ops._desc(q), _ops._desc(v), _ops._desc(g), _ops._desc(g), _ops._desc(None),
+             _ops._cu_desc(cu), N, _ops._desc(v), _ops._desc(None))
+    size = lambda inv: _ops._C.forward_workspace_size((1, T, H, HV, D, D), *descs, D ** -0.5, 0, 1, False,
+                                                      _ops.SPLIT_AUTO, 0, inv)
+    extra = size(True) - size(False)
+    assert 0 <= extra <= T // 4096 * HV * D * 2 * D * 4 + 4 * 3 * N + 16384, extra
+    k = F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).to(torch.bfloat16)
+    o, _ = qla.chunk_gated_delta_rule(k, k, v.normal_(), g.fill_(-0.05), torch.full_like(g, 0.5), cu_seqlens=cu,
+                                      batch_invariant=True)  # and the call runs in that workspace
+    assert not torch.isnan(o).any()
+
+
 def test_fp16_unit_norm_hint_with_few_pairs():
     # fp16 with use_qk_l2norm_in_kernel=True on 2 pairs takes the two-pass forward: the binding's
     # workspace query must see the hint (without it, it sized the fused forward's workspace).
