@@ -15,8 +15,14 @@ autograd through the recurrence), and prints the relative L2 error per gradient 
 - "fwd":      hi + lo except W (hi only), the forward's choice
 - "fwd, X h": the "fwd" set with one more operand X hi only (which ones can be cheap)
 - "all h, X hl": every operand hi only but X (which hi + lo pair buys the most)
+- "all f16":  every non-input operand rounded once to fp16's 11 significant bits with no
+              range limit: the fused forward's scheme (fp16 wgmma operands carried in exact
+              power-of-two units, docs/fused.md), planned for the fused backward (issue 14);
+              bf16 inputs are exact in fp16. Also "all f16, X hl16" (one operand as an fp16
+              hi + lo pair, ~22 bits) and "all f16, X h" (one operand bf16 only)
 
-Targets (issue 4): dq, dk, dv, dbeta, dh0 <= 5e-3, dg <= 1e-2. CPU only:
+Targets: issue 4 had dq, dk, dv, dbeta, dh0 <= 5e-3 and dg <= 1e-2; issue 14 (the fused
+backward) every gradient <= 4e-3, which the printed ok / OVER now checks. CPU only:
 
     python3 bench/backward_precision.py [--T 512] [--HV 2]
 """
@@ -37,10 +43,20 @@ def rnd(mode, name, x):
     m = mode.get(name, "f")
     if m == "f":
         return x
+    if m in ("f16", "hl16"):
+        hi = f16(x)
+        return hi if m == "f16" else hi + f16(x - hi)
     hi = x.to(torch.bfloat16).float()
     if m == "h":
         return hi
     return hi + (x - hi).to(torch.bfloat16).float()  # hi + lo: the sum of two bf16 products
+
+
+def f16(x):
+    """x rounded to nearest at fp16's 11 significant bits, without fp16's exponent range (the
+    kernels keep operands in range with exact power-of-two units)."""
+    m, e = torch.frexp(x)
+    return torch.ldexp(torch.round(m * 2048.0) / 2048.0, e)
 
 
 def chunked_backward_rounded(q, k, v, g, beta, do, dht, h0, scale, mode, C=64):
@@ -144,6 +160,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--HV", type=int, default=2)
+    ap.add_argument("--only-f16", action="store_true", help="the fp16 configurations (and fp32, fwd) only")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     scale = 128 ** -0.5
@@ -162,6 +179,12 @@ def main():
     configs += [(f"fwd, {n} h", {**fwd, n: "h"}) for n in OPERANDS if fwd[n] != "h"]
     allh = {n: "h" for n in OPERANDS}
     configs += [(f"all h, {n} hl", {**allh, n: "hl"}) for n in OPERANDS]
+    all16 = {n: "f16" for n in OPERANDS}
+    configs += [("all f16", all16)]
+    configs += [(f"all f16, {n} hl16", {**all16, n: "hl16"}) for n in OPERANDS]
+    configs += [(f"all f16, {n} h", {**all16, n: "h"}) for n in ("P", "dOg", "bK", "Uv")]
+    if args.only_f16:
+        configs = [c for c in configs if "f16" in c[0] or c[0] in ("fp32", "fwd")]
     print(f"T={args.T} HV={args.HV} K=V=128, worst relative L2 over gates benchmark/strong/zero")
     print(f"{'config':<14}" + "".join(f"{n:>10}" for n in names) + "   worst case")
     for label, mode in configs:
@@ -174,7 +197,7 @@ def main():
                 e = rel(out[i], ref[i])
                 if e > worst[i]:
                     worst[i], wcase[i] = e, gate
-        ok = all(w <= 5e-3 for i, w in enumerate(worst) if names[i] != "dg") and worst[3] <= 1e-2
+        ok = all(w <= 4e-3 for w in worst)  # issue 14: every gradient at most 4e-3
         print(f"{label:<14}" + "".join(f"{w:10.2e}" for w in worst) + f"   {'ok ' if ok else 'OVER'} "
               + ",".join(sorted(set(wcase))), flush=True)
 
