@@ -372,11 +372,16 @@ def flashinfer_forward(q, k, v, g, beta, h0, cu_seqlens, *, cu_seqlens_cpu=None,
     bp = beta[0].float().contiguous()
     h0_vk = h0.transpose(-1, -2).contiguous()
     cu64 = _long(cu_seqlens)
+    # 0.7 and later (the CuTe-DSL prefill with its own splitting, use_cp="auto" by default) want
+    # the final state's buffer from the caller; 0.6.13 allocates it.
+    extra = {}
+    if "output_state" in inspect.signature(fi.chunk_gated_delta_rule).parameters:
+        extra["output_state"] = torch.empty_like(h0_vk)
 
     def fn():
         with torch.no_grad():
             return fi.chunk_gated_delta_rule(qp, kp, vp, alpha, bp, scale=scale, initial_state=h0_vk,
-                                             output_final_state=True, cu_seqlens=cu64)
+                                             output_final_state=True, cu_seqlens=cu64, **extra)
 
     def to_common(out):
         o, ht = out

@@ -31,24 +31,10 @@
 #     tarfile.open('.whl/tilelang_z3.tar.xz').extractall('/tmp/site')" \
 #     && export PYTHONPATH=/tmp/site || exit
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="$root/.whl"
-src="$root/.whl_src"
-mkdir -p "$out" "$src"
+source "$(dirname "${BASH_SOURCE[0]}")/device_wheels.sh"
+wheel_dirs whl  # out=.whl (carried), src=.whl_src
 
-# Keep both folders out of git (idempotent).
-exclude="$root/.git/info/exclude"
-if [ -d "$root/.git" ]; then
-  mkdir -p "$(dirname "$exclude")"
-  for p in /.whl/ /.whl_src/; do grep -qxF "$p" "$exclude" 2>/dev/null || echo "$p" >>"$exclude"; done
-fi
-
-plat=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
-      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-
-# name==version  sha256 of the wheel pip picks for the platform above
+# name==version  sha256 of the wheel pip picks for the device (PLAT in device_wheels.sh)
 pins=(
   "fla-core==0.6.0 b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd"
   "flash-linear-attention==0.6.0 6dec9735f8454523c13553622e98aff30152dde6586b4ac7d88010fbb7a06b5f"
@@ -60,13 +46,7 @@ pins=(
   "nvidia-cutlass==4.2.0.0 f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6"
 )
 
-for entry in "${pins[@]}"; do
-  spec="${entry% *}"; sha="${entry#* }"
-  python3 -m pip download -q "${plat[@]}" -d "$src" "$spec"
-  name="${spec%%==*}"; ver="${spec#*==}"
-  whl=$(ls "$src"/"${name//-/_}"-"$ver"-*.whl)
-  echo "$sha  $whl" | sha256sum -c --quiet
-done
+fetch_pinned "${pins[@]}"
 
 # Carried as wheels.
 for name in fla_core-0.6.0 flash_linear_attention-0.6.0 flash_qla-0.1.3 \
