@@ -2,7 +2,7 @@
 against measured times: calibration and check, on any machine (no GPU).
 
 Input: the lines that `sm90_forward_test --split --bench` prints on the device (one per row:
-the two-pass, unsplit fused and automatic times, then the times with pieces of at least 16, 32,
+the two-pass, unsplit fused and automatic times, then the times with pieces of at most 16, 32,
 64 and 128 chunks), e.g. bench/results/raw/fwd_split_bench_2026-12-01.txt. The model's
 coefficients are read from the C++ source, so that this script and the kernels' plan cannot
 disagree; --fit searches coefficients that rank the piece counts as measured and prints them
@@ -22,7 +22,7 @@ import sys
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90", "gdn_fwd_sm90.cu")
 _NAMES = ("kStepUs", "kStepLoadedUs", "kWaveSteps", "kScanStepUs", "kPassUs", "kExactShare")
-_PIECE_MIN = (16, 32, 64, 128)  # the harness's forced minimum piece lengths, in chunks
+_PIECE_MIN = (16, 32, 64, 128)  # the harness's forced piece lengths (split_chunks), in chunks
 SMS = 132
 
 
@@ -57,11 +57,11 @@ def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS) -> flo
             + (np_ - 2) * co["kScanStepUs"] + co["kPassUs"])
 
 
-def pieces_of(longest: int, min_chunks: int, max_pieces: int) -> int:
+def pieces_of(longest: int, piece_chunks: int, max_pieces: int) -> int:
     """piece_split's count for the longest sequence (common.cuh)."""
-    if longest <= min_chunks:
+    if longest <= piece_chunks:
         return 1
-    np_ = min(math.ceil(longest / min_chunks), max_pieces)
+    np_ = min(math.ceil(longest / piece_chunks), max_pieces)
     length = math.ceil(longest / np_)
     return math.ceil(longest / length)
 

@@ -144,7 +144,8 @@ struct GdnForwardParams {
   // piece boundary, from those chunks rerun from zero (the dropped part is below e^-16 of the
   // state where they start; heads with g = 0 always take the exact path). Decided on the
   // device, no sync.
-  // split_chunks (kOn only, >= 0): the pieces' minimum length in chunks (0: automatic).
+  // split_chunks (kOn only, >= 0): the pieces' length in chunks of 64 tokens (a sequence of n
+  // chunks runs as ceil(n / split_chunks) equal pieces, at most 64; 0: automatic).
   SplitMode split = SplitMode::kAuto;
   int split_chunks = 0;
   // Batch invariance (CUDA forward): a sequence's o and final state are bitwise the same

@@ -79,7 +79,7 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
     costs more than the launch). qk_normalized: q and k rows have unit l2 norm (the caller
     applied l2norm), a hint that saves the CUDA forward a pass over q. split_mode,
-    split_chunks: the CUDA forward's sequence splitting (SPLIT_*; pieces of at least
+    split_chunks: the CUDA forward's sequence splitting (SPLIT_*; pieces of at most
     split_chunks chunks of 64 tokens with SPLIT_ON, 0: automatic). batch_invariant: each
     sequence's result independent of the rest of the call (the core's batch_invariant)."""
     B, T, H, K = q.shape

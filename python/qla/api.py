@@ -346,11 +346,12 @@ def chunk_gated_delta_rule(
             head) whose gates decay by e^-16 within 8 chunks before every piece boundary, those
             chunks rerun from zero; heads with g = 0 always take the exact path. CPU calls
             ignore it.
-        split_chunks: with split (implied), pieces of at least this many chunks of 64 tokens.
+        split_chunks: with split (implied), pieces of at most this many chunks of 64 tokens
+            (ceil(chunks / split_chunks) equal pieces per sequence, at most 64).
         batch_invariant: the CUDA forward gives each sequence bitwise the same o and final
             state whatever else the call holds (other sequences; other heads, as a
             tensor-parallel shard against the full head set): its path and pieces then depend
-            on its own length and gates only (pieces of split_chunks, default 64 chunks,
+            on its own length and gates only (pieces of up to split_chunks, default 64 chunks,
             unless split=False). Slower for many-sequence calls.
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;

@@ -255,22 +255,37 @@ __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t&
 __host__ __device__ constexpr int64_t chunk_table_ints(int64_t N) { return 2 * N + 2; }
 
 // Sequence splitting (docs/split.md): a sequence of nch chunks runs as np pieces of len chunks
-// (the last one shorter, none empty). The split is a function of nch and the plan alone, so a
-// sequence's pieces never depend on the rest of the batch once the plan is fixed. The plan's
-// min_chunks = 0 (or nch <= min_chunks) keeps the sequence whole.
+// (the last one shorter, none empty): np = ceil(nch / piece_chunks) capped at max_pieces, len =
+// ceil(nch / np), so the pieces are at most piece_chunks long unless the cap binds. The split is a
+// function of nch and the plan alone, so a sequence's pieces never depend on the rest of the
+// batch once the plan is fixed. piece_chunks = 0 (or nch <= piece_chunks) keeps it whole.
 struct PiecePlan {
-  int min_chunks = 0;  // pieces of at least this many chunks (0: no splitting)
+  int piece_chunks = 0;  // the longest piece, in chunks (0: no splitting)
   int max_pieces = 1;  // and at most this many per sequence
 };
 struct PieceSplit {
   int np, len;
 };
 __host__ __device__ __forceinline__ PieceSplit piece_split(int nch, const PiecePlan& pl) {
-  if (pl.min_chunks <= 0 || nch <= pl.min_chunks) return {1, nch};
-  int np = (nch + pl.min_chunks - 1) / pl.min_chunks;
+  if (pl.piece_chunks <= 0 || nch <= pl.piece_chunks) return {1, nch};
+  int np = (nch + pl.piece_chunks - 1) / pl.piece_chunks;
   np = np < pl.max_pieces ? np : pl.max_pieces;
   const int len = (nch + np - 1) / np;
   return {(nch + len - 1) / len, len};
+}
+// Bounds from the shapes alone (the workspace), for any lengths the shapes allow: the pieces of a
+// call (a sequence of nch chunks has at most ceil(nch / piece_chunks), or 1) and the pieces with
+// transfer maps (those followed by another of their sequence: np - 1 <= (nch - 1) / piece_chunks
+// < len / (64 piece_chunks) for a sequence of len tokens). chunks_bound: at least the call's total
+// chunk count; tokens: its total length.
+struct PieceBounds {
+  int64_t pieces, maps;
+};
+__host__ __device__ inline PieceBounds piece_bounds(int64_t N, int64_t tokens, int64_t chunks_bound,
+                                                    const PiecePlan& pl) {
+  const int64_t a = N * pl.max_pieces, b = N + chunks_bound / pl.piece_chunks;
+  const int64_t c = N * (pl.max_pieces - 1), d = tokens / (int64_t(kC) * pl.piece_chunks);
+  return {a < b ? a : b, c < d ? c : d};
 }
 // The piece table (split forward, ints, after the chunk table): [0, N] piece offsets of the
 // sequences in launch order (the chunk table's longest-first ranks), then each piece's rank

@@ -143,7 +143,7 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   if ((p.split == SplitMode::kOn && p.split_chunks > 0) || p.batch_invariant) {
     // A plan from the caller, or for batch invariance one that no other sequence or head can
     // change (piece_split applies it to each sequence's own length).
-    sc.plan.min_chunks = p.split_chunks > 0 ? p.split_chunks : kInvariantPieceChunks;
+    sc.plan.piece_chunks = p.split_chunks > 0 ? p.split_chunks : kInvariantPieceChunks;
     sc.plan.max_pieces = kMaxPiecesPerSeq;
   } else {
     double best_cost = split_cost(pairs, longest, 1, sms);
@@ -152,16 +152,16 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
       if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np;
     }
     if (best == 1) return sc;
-    sc.plan.min_chunks = static_cast<int>((longest + best - 1) / best);
+    sc.plan.piece_chunks = static_cast<int>((longest + best - 1) / best);
     sc.plan.max_pieces = best;
   }
-  if (longest <= sc.plan.min_chunks) return SplitChoice{};
-  sc.max_pieces = std::min<int64_t>(N * sc.plan.max_pieces, N + max_chunks(p) / sc.plan.min_chunks);
-  // Maps: a sequence of len tokens has np - 1 <= (ceil(len / 64) - 1) / min_chunks < len / (64 min_chunks)
-  // pieces with one, so a call has fewer than T / (64 min_chunks): at most 1/8 of v's bytes with
-  // pieces of >= 64 chunks (batch_invariant), however many short sequences it holds.
+  if (longest <= sc.plan.piece_chunks) return SplitChoice{};
+  // The maps then take at most 1/8 of v's bytes with pieces of 64 chunks (batch_invariant),
+  // however many short sequences the call holds (piece_bounds, common.cuh).
   const int64_t tokens = p.cu_seqlens.data ? p.shape.seqlen : p.shape.batch * p.shape.seqlen;
-  sc.max_maps = std::min<int64_t>(N * (sc.plan.max_pieces - 1), tokens / (int64_t(kC) * sc.plan.min_chunks));
+  const PieceBounds pb = piece_bounds(N, tokens, max_chunks(p), sc.plan);
+  sc.max_pieces = pb.pieces;
+  sc.max_maps = pb.maps;
   return sc;
 }
 

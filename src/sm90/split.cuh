@@ -27,7 +27,7 @@ namespace {
 constexpr int kMapCols = kDV + kDK;  // maps: [K][V + K] per (piece, value head): R | M
 // Only pieces followed by another of the same sequence have maps: piece j of the sequence of
 // rank r (first piece at slot first) has map index first - r + j, so the maps of a call number
-// at most the sum over sequences of (pieces - 1) <= chunks / min_chunks, whatever N is.
+// at most the sum over sequences of (pieces - 1) <= chunks / piece_chunks, whatever N is.
 __device__ __forceinline__ float* map_at(const RecParams& p, int index, int hv) {
   return p.maps + (static_cast<size_t>(index) * p.HV + hv) * kDK * kMapCols;
 }

@@ -227,7 +227,7 @@ static void upload_state(float* dst, const std::vector<float>& h, int64_t NHV, S
 // --qk-normalized: pass the unit-norm hint (qk_l2_normalized) with every case whose q, k rows are
 // l2-normalised (the bench rows' are).
 static bool g_qk_hint = false;
-// --split: sequence splitting forced on, into pieces of at least g_split_chunks chunks.
+// --split: sequence splitting forced on, into pieces of at most g_split_chunks chunks.
 static qla::SplitMode g_split = qla::SplitMode::kAuto;
 static int g_split_chunks = 0;
 
@@ -862,7 +862,7 @@ int main(int argc, char** argv) {
       for (int chunks : {1, 3, 8}) {
         g_split = qla::SplitMode::kOn;
         g_split_chunks = chunks;
-        std::printf("--- split into pieces of >= %d chunks, V tile %d\n", chunks, vt);
+        std::printf("--- split into pieces of <= %d chunks, V tile %d\n", chunks, vt);
         g_max_o = g_max_h = 0;
         for (size_t i = 0; i < sc.size(); ++i) ok = run_case(sc[i], 3579 + i, stream, i == 1 || i == 4) && ok;
         std::printf("split %d, V tile %d: max o %.2e  max state %.2e\n", chunks, vt, g_max_o, g_max_h);

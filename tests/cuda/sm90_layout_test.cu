@@ -3,9 +3,12 @@
 // shared-memory operand, which is only right if the block of the global image (Lay<T>::DD_K,
 // ::TokV_K) is byte-identical to that operand (RecLay<T, 32>::VD_MN, ::VTok_MN), and the
 // gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
-// of the sequential passes' longest-first launch order (order_bucket).
+// of the sequential passes' longest-first launch order (order_bucket), and the split forward's
+// pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds).
 #include <cstdio>
 #include <cstdlib>
+#include <random>
+#include <vector>
 
 #include "sm90/common.cuh"
 
@@ -58,6 +61,45 @@ int order_key_violations() {
     if (order_bucket(c) >= kOrderBuckets || order_bucket(c) < order_bucket(1 << 22)) ++bad;
   return bad;
 }
+// piece_split: pieces cover the sequence, none empty, at most max_pieces, each at most
+// piece_chunks long unless max_pieces binds; and for random calls (varlen and batched, empty and ragged sequences,
+// random plans) the pieces and the pieces with transfer maps never exceed piece_bounds, which
+// sizes the workspace from the shapes alone (an undersized workspace would be written past).
+int piece_violations() {
+  int bad = 0;
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 20000; ++trial) {
+    PiecePlan pl;
+    pl.piece_chunks = 1 + static_cast<int>(rng() % (trial % 3 == 0 ? 4 : 96));
+    pl.max_pieces = 1 + static_cast<int>(rng() % 64);
+    const bool varlen = trial % 2 == 0;
+    const int N = 1 + static_cast<int>(rng() % 40);
+    std::vector<int64_t> lens(N);
+    const int64_t T1 = static_cast<int64_t>(rng() % 20000);
+    for (auto& l : lens) {
+      const int kind = static_cast<int>(rng() % 4);
+      l = !varlen ? T1 : kind == 0 ? 0 : kind == 1 ? static_cast<int64_t>(rng() % 200) : static_cast<int64_t>(rng() % 30000);
+    }
+    int64_t tokens = 0, chunks = 0, pieces = 0, maps = 0;
+    for (int64_t l : lens) {
+      const int nch = static_cast<int>((l + kC - 1) / kC);
+      const PieceSplit sp = piece_split(nch, pl);
+      tokens += l;
+      chunks += nch;
+      pieces += sp.np;
+      maps += sp.np - 1;
+      if (sp.np < 1 || sp.np > (nch > pl.piece_chunks ? pl.max_pieces : 1)) ++bad;
+      if (nch > 0 && (sp.len < 1 || int64_t(sp.np - 1) * sp.len >= nch || int64_t(sp.np) * sp.len < nch)) ++bad;
+      const bool capped = (nch + pl.piece_chunks - 1) / pl.piece_chunks > pl.max_pieces;
+      if (!capped && nch > pl.piece_chunks && sp.len > pl.piece_chunks) ++bad;
+    }
+    // The forward's chunk bound (host_util.cuh max_chunks): T / 64 + N for varlen, exact batched.
+    const int64_t chunks_bound = varlen ? tokens / kC + N : chunks;
+    const PieceBounds pb = piece_bounds(N, tokens, chunks_bound, pl);
+    if (chunks > chunks_bound || pieces > pb.pieces || maps > pb.maps) ++bad;
+  }
+  return bad;
+}
 }  // namespace
 
 int main() {
@@ -67,6 +109,8 @@ int main() {
   const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw));
   std::free(raw);
   const int key = order_key_violations();
-  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d\n", bf, fp, key);
-  return bf == 0 && fp == 0 && key == 0 ? 0 : 1;
+  const int pcs = piece_violations();
+  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d\n",
+              bf, fp, key, pcs);
+  return bf == 0 && fp == 0 && key == 0 && pcs == 0 ? 0 : 1;
 }

@@ -252,7 +252,7 @@ def test_batch_invariant_bits_do_not_depend_on_the_batch_or_the_head_count():
 
 
 def test_batch_invariant_workspace_with_many_short_sequences():
-    # batch_invariant fixes pieces of >= 64 chunks for every sequence; the transfer maps are
+    # batch_invariant fixes pieces of up to 64 chunks for every sequence; the transfer maps are
     # sized by the tokens (fewer than T / 4096 pieces have one), not by the sequence count: 4000
     # sequences of 100 tokens need none, and the bound adds ~50 MB here, not gigabytes.
     from qla import _ops

@@ -23,7 +23,7 @@ def test_model_picks_the_measured_best_piece_count():
 
 
 def test_piece_count_matches_the_kernels_rule():
-    # piece_split (common.cuh): the longest sequence's pieces from a minimum length and a cap.
+    # piece_split (common.cuh): the longest sequence's pieces from a piece length and a cap.
     assert scm.pieces_of(512, 64, 64) == 8
     assert scm.pieces_of(5, 3, 64) == 2   # len 3: pieces of 3 and 2
     assert scm.pieces_of(47, 1, 64) == 47
