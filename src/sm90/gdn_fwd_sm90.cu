@@ -242,15 +242,16 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
 // for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
 // sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
 template <class T>
-Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
-                    int* table, void* regions, int sms) {
+Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
+                    const CUtensorMap& tmk, const SeqDesc& sd, int sms) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
   const int64_t nregions = max_chunks(p) * HV;
-  const SplitChoice sc = split_choice(p, sms);
-  const WsLayout wl = ws_layout(p, sc);
-  int* pieces = sc.max_pieces ? table + (wl.pieces - wl.table) / 4 : nullptr;
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  int* table = reinterpret_cast<int*>(ws + wl.table);
+  int* pieces = sc.max_pieces ? reinterpret_cast<int*>(ws + wl.pieces) : nullptr;
+  void* regions = ws + wl.regions;
   gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0, sc.plan, pieces);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
@@ -278,7 +279,7 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   if (sc.max_pieces) {
     rp.pieces = pieces;
     rp.plan = sc.plan;
-    rp.maps = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + wl.maps);
+    rp.maps = reinterpret_cast<float*>(ws + wl.maps);
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
   }
@@ -302,8 +303,9 @@ Status launch_fused(const GdnForwardParams& p, const CUtensorMap& tmq, const CUt
   return chunks(nr);
 }
 
+// sc, wl: the split plan and workspace layout, made once per call by forward().
 template <class T>
-Status launch(const GdnForwardParams& p) {
+Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   const int N = static_cast<int>(num_seqs(p));
@@ -315,7 +317,6 @@ Status launch(const GdnForwardParams& p) {
   Status ds = device_info(&dinfo);
   if (ds.ok()) ds = prepare_kernels<T>(dinfo);
   if (!ds.ok()) return ds;
-  const WsLayout wl = ws_layout(p, split_choice(p, dinfo->sms));
 
   // Tensor maps of q and k (shared by prep and recurrence); v's is made for prep below.
   CUtensorMap tmq, tmk;
@@ -325,7 +326,7 @@ Status launch(const GdnForwardParams& p) {
 
   const SeqDesc sd = seq_desc(p);
   int* table = reinterpret_cast<int*>(ws + wl.table);
-  if (use_fused(p)) return launch_fused<T>(p, tmq, tmk, sd, table, ws + wl.regions, dinfo->sms);
+  if (use_fused(p)) return launch_fused<T>(p, sc, wl, tmq, tmk, sd, dinfo->sms);
 
   // The two-pass forward.
   int stages = 3;
@@ -518,10 +519,15 @@ Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes) {
 Status forward(const GdnForwardParams& p) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  s = check_workspace("sm90 forward", p.workspace, p.workspace_bytes, ws_layout(p).total);
+  DeviceInfo* dinfo = nullptr;
+  s = device_info(&dinfo);  // cached; check_supported has read it
   if (!s.ok()) return s;
-  if (p.q.dtype == DType::kBFloat16) return launch<cutlass::bfloat16_t>(p);
-  return launch<cutlass::half_t>(p);
+  const SplitChoice sc = split_choice(p, dinfo->sms);
+  const WsLayout wl = ws_layout(p, sc);
+  s = check_workspace("sm90 forward", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  if (p.q.dtype == DType::kBFloat16) return launch<cutlass::bfloat16_t>(p, sc, wl);
+  return launch<cutlass::half_t>(p, sc, wl);
 }
 
 }  // namespace sm90

@@ -66,7 +66,7 @@ __device__ __forceinline__ bool warm_path(const RecParams& p, int ci0, int hv, P
 struct PieceCta {
   int vt, hv, n;        // column tile (of [V | K] in pass 0 with maps), value head, sequence
   bool live;            // false: a padding CTA past the last piece or sequence
-  int slot, j;          // the piece's index in the piece table, and within its sequence
+  int j;                // the piece's index within its sequence
   int map;              // its map index (map_at), valid for j < np - 1
   PieceSplit sp;        // the sequence's pieces
   int64_t b, t0, slen;  // batch row, first token, length of the sequence
@@ -78,7 +78,6 @@ __device__ __forceinline__ PieceCta piece_cta(const RecParams& p) {
   c.hv = static_cast<int>(blockIdx.x >> p.tiles_log2);
   const int idx = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
   int rank = idx;
-  c.slot = idx;
   c.j = 0;
   if (p.pieces) {
     c.live = idx < p.pieces[p.N];
