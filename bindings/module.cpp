@@ -115,9 +115,11 @@ NB_MODULE(_C, m) {
       "forward_workspace_size",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
-         int device, bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant) {
-        // The options that choose the CUDA forward's path also set its workspace.
+         int device, bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host) {
+        // The options that choose the CUDA forward's path also set its workspace, and so do the
+        // host lengths (cu_host: N + 1 int64 values on the host, or 0), which its plan reads.
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, 0, 0, 0);
+        p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.qk_l2_normalized = qk_l2_normalized;
         p.split = static_cast<qla::SplitMode>(split);
         p.split_chunks = split_chunks;
@@ -132,9 +134,10 @@ NB_MODULE(_C, m) {
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
          int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads,
-         bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant) {
+         bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host) {
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
                                 workspace, workspace_bytes);
+        p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.num_threads = num_threads;
         p.qk_l2_normalized = qk_l2_normalized;
         p.split = static_cast<qla::SplitMode>(split);  // SplitMode: 0 auto, 1 off, 2 on

@@ -58,13 +58,14 @@ _WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the co
 
 
 def _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra):
-    """One CUDA call of the core (forward or backward): its workspace (size cached per key),
-    then the launch on the current stream (extra: the forward's trailing options, which also
-    choose its path and so its workspace)."""
-    ws_bytes = _WORKSPACE_BYTES.get(key)
+    """One CUDA call of the core (forward or backward): its workspace (size cached per key;
+    key None: asked every call), then the launch on the current stream (extra: the forward's
+    trailing options, which also choose its path and so its workspace)."""
+    ws_bytes = None if key is None else _WORKSPACE_BYTES.get(key)
     if ws_bytes is None:
         ws_bytes = query(shape, *descs, scale, layout, 1, *extra)
-        _WORKSPACE_BYTES[key] = ws_bytes
+        if key is not None:
+            _WORKSPACE_BYTES[key] = ws_bytes
     ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev) if ws_bytes else None
     run(shape, *descs, scale, layout, 1, torch._C._cuda_getCurrentRawStream(dev.index),
         0 if ws is None else ws.data_ptr(), ws_bytes, 0, *extra)
@@ -74,14 +75,17 @@ SPLIT_AUTO, SPLIT_OFF, SPLIT_ON = 0, 1, 2  # the core's SplitMode
 
 
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0, batch_invariant=False):
+                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0, batch_invariant=False, cu_seqlens_host=None):
     """The forward itself; returns (o, final state or None). Called through the custom op
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
     costs more than the launch). qk_normalized: q and k rows have unit l2 norm (the caller
     applied l2norm), a hint that saves the CUDA forward a pass over q. split_mode,
     split_chunks: the CUDA forward's sequence splitting (SPLIT_*; pieces of at most
     split_chunks chunks of 64 tokens with SPLIT_ON, 0: automatic). batch_invariant: each
-    sequence's result independent of the rest of the call (the core's batch_invariant)."""
+    sequence's result independent of the rest of the call (the core's batch_invariant).
+    cu_seqlens_host: cu_seqlens as a contiguous int64 CPU tensor (or None), from which the CUDA
+    forward plans its path and pieces by the true longest sequence instead of the bound T; it
+    changes the workspace, so the size is then asked every call instead of cached."""
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
     n = _num_seqs(q, cu_seqlens)
@@ -102,11 +106,15 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     layout = 1 if state_v_first else 0
     if dev.type != "cuda":
         _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks,
-                   batch_invariant)
+                   batch_invariant, 0)
         return o, ht
-    _run_cuda(_C.forward, _C.forward_workspace_size,
-              ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks, batch_invariant), shape,
-              descs, scale, layout, dev, qk_normalized, split_mode, split_chunks, batch_invariant)
+    if cu_seqlens_host is None:
+        key, host_ptr = ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks,
+                         batch_invariant), 0
+    else:
+        key, host_ptr = None, cu_seqlens_host.data_ptr()
+    _run_cuda(_C.forward, _C.forward_workspace_size, key, shape, descs, scale, layout, dev, qk_normalized, split_mode,
+              split_chunks, batch_invariant, host_ptr)
     return o, ht
 
 
@@ -126,9 +134,10 @@ def gdn_fwd(
     split_mode: int,
     split_chunks: int,
     batch_invariant: bool,
+    cu_seqlens_host: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, ht = forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                         qk_normalized, split_mode, split_chunks, batch_invariant)
+                         qk_normalized, split_mode, split_chunks, batch_invariant, cu_seqlens_host)
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))  # an op returns tensors
 
 
@@ -150,7 +159,7 @@ def _cu_desc(cu: Optional[torch.Tensor]) -> tuple:
 
 @gdn_fwd.register_fake
 def _gdn_fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                  qk_normalized, split_mode, split_chunks, batch_invariant):
+                  qk_normalized, split_mode, split_chunks, batch_invariant, cu_seqlens_host):
     B, T = q.shape[0], q.shape[1]
     o = q.new_empty((B, T, v.shape[2], v.shape[3]))
     if output_final_state:
@@ -227,7 +236,7 @@ def _backward(ctx, do, dht):
     )
     # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,
-            None, None)
+            None, None, None)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -203,6 +203,17 @@ def _check_bool(name: str, x) -> bool:
     return x
 
 
+def _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu) -> Optional[torch.Tensor]:
+    """cu_seqlens_cpu (already checked) as the contiguous int64 CPU tensor the CUDA forward plans
+    from, or None (no host copy, no cu_seqlens, or a CPU call, which has no plan)."""
+    if cu_seqlens_cpu is None or cu_seqlens is None or q.device.type != "cuda":
+        return None
+    if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.dtype is torch.int64 \
+            and cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.is_contiguous():
+        return cu_seqlens_cpu
+    return torch.as_tensor(cu_seqlens_cpu, dtype=torch.int64, device="cpu").contiguous()
+
+
 def _split_args(split, split_chunks) -> Tuple[int, int]:
     """The CUDA forward's splitting options as the core's (SplitMode, split_chunks)."""
     if split is not None and not isinstance(split, bool):
@@ -250,7 +261,7 @@ def chunk_gated_delta_rule_fwd(
     fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
         o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False,
-                    split_mode, split_chunks, batch_invariant)
+                    split_mode, split_chunks, batch_invariant, _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu))
     return o, (ht if output_final_state else None)
 
 
@@ -356,7 +367,8 @@ def chunk_gated_delta_rule(
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
             cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
-            boundaries without a device synchronisation.
+            boundaries without a device synchronisation, and the CUDA forward plan its path
+            and pieces from the true longest sequence (without it, from the bound T).
 
     Returns:
         (o [B, T, HV, V] in q's dtype, final_state or None)
@@ -406,5 +418,6 @@ def chunk_gated_delta_rule(
         return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
     o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                use_qk_l2norm_in_kernel, split_mode, split_chunks, batch_invariant)
+                use_qk_l2norm_in_kernel, split_mode, split_chunks, batch_invariant,
+                _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu))
     return o, (ht if output_final_state else None)

@@ -43,9 +43,9 @@ def test_opcheck_custom_ops():
     h0 = x["initial_state"].clone().requires_grad_()
     cu = torch.tensor([0, 7, 20], dtype=torch.int64)
     h0_2 = torch.randn(2, 2, 8, 8, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0, None, True, False, False, _ops.SPLIT_AUTO, 0, False))
-    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0_2, cu, True, True, False, _ops.SPLIT_ON, 1, True))
-    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, None, None, False, False, True, _ops.SPLIT_OFF, 0, False))
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0, None, True, False, False, _ops.SPLIT_AUTO, 0, False, None))
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, h0_2, cu, True, True, False, _ops.SPLIT_ON, 1, True, cu))
+    torch.library.opcheck(_ops.gdn_fwd, (*args, 0.5, None, None, False, False, True, _ops.SPLIT_OFF, 0, False, None))
     do = torch.randn(1, 20, 2, 8, dtype=torch.float64)
     dht = torch.randn(1, 2, 8, 8, dtype=torch.float64)
     detached = [a.detach() for a in args]

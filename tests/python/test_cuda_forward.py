@@ -189,6 +189,29 @@ def test_split_sequences_match_the_unsplit_reference(gate, zero_heads, split_chu
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+def test_host_lengths_plan_the_forward():
+    # cu_seqlens_cpu reaches the CUDA forward's plan. Two 4096-token sequences at 2/8 (16 pairs)
+    # are short by their host lengths (64 chunks: the two-pass forward) and long without them
+    # (the bound T, 128 chunks: the fused forward, split), so the workspace differs. Calls with
+    # host lengths are exact: those two, and 12288 + 4096 tokens, where the pieces follow the
+    # true longest sequence instead of T (given as a tensor and as a list).
+    from qla import _ops
+    x = _inputs([4096, 4096], 2, 8, "mild", seed=35, zero_heads=True)
+    q, v, g, cu = x["q"], x["v"], x["g"], x["cu_seqlens"]
+    host = cu.cpu().to(torch.int64)
+    descs = (_ops._desc(q), _ops._desc(q), _ops._desc(v), _ops._desc(g), _ops._desc(g), _ops._desc(None),
+             _ops._cu_desc(cu), 2, _ops._desc(v), _ops._desc(None))
+    size = lambda ptr: _ops._C.forward_workspace_size((1, 8192, 2, 8, 128, 128), *descs, 128 ** -0.5, 0, 1, False,
+                                                      _ops.SPLIT_AUTO, 0, False, ptr)
+    assert size(host.data_ptr()) != size(0)
+    e_o, e_h = _check(x, cu_seqlens_cpu=host)
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+    x = _inputs([12288, 4096], 2, 8, "mild", seed=36, zero_heads=True)
+    for cpu_copy in (x["cu_seqlens"].cpu(), x["cu_seqlens"].cpu().tolist()):
+        e_o, e_h = _check(x, cu_seqlens_cpu=cpu_copy)
+        assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
 def _static_call(x):
     """Copies of the inputs, and the forward on them (for graph capture: fixed addresses)."""
     static = {n: t.clone() for n, t in x.items()}
@@ -265,7 +288,7 @@ def test_batch_invariant_workspace_with_many_short_sequences():
     descs = (_ops._desc(q), _ops._desc(q), _ops._desc(v), _ops._desc(g), _ops._desc(g), _ops._desc(None),
              _ops._cu_desc(cu), N, _ops._desc(v), _ops._desc(None))
     size = lambda inv: _ops._C.forward_workspace_size((1, T, H, HV, D, D), *descs, D ** -0.5, 0, 1, False,
-                                                      _ops.SPLIT_AUTO, 0, inv)
+                                                      _ops.SPLIT_AUTO, 0, inv, 0)
     extra = size(True) - size(False)
     assert 0 <= extra <= T // 4096 * HV * D * 2 * D * 4 + 4 * 3 * N + 16384, extra
     k = F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).to(torch.bfloat16)
