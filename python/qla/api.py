@@ -335,6 +335,7 @@ def chunk_gated_delta_rule(
     split: Optional[bool] = None,
     split_chunks: Optional[int] = None,
     batch_invariant: bool = False,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
@@ -364,18 +365,17 @@ def chunk_gated_delta_rule(
             tensor-parallel shard against the full head set): its path and pieces then depend
             on its own length and gates only (pieces of up to split_chunks, default 64 chunks,
             unless split=False). Slower for many-sequence calls.
-        transpose_state_layout: FLA's former name of state_v_first (deprecated).
-        cu_seqlens_cpu, chunk_indices, chunk_size: accepted for FLA compatibility;
-            cu_seqlens_cpu (a host copy of cu_seqlens) lets CUDA calls validate the
-            boundaries without a device synchronisation, and the CUDA forward plan its path
+        cu_seqlens_cpu: a host copy of cu_seqlens (as in FLA). CUDA calls then validate the
+            boundaries without a device synchronisation, and the CUDA forward plans its path
             and pieces from the true longest sequence (without it, from the bound T).
+        transpose_state_layout: FLA's former name of state_v_first (deprecated).
+        chunk_indices, chunk_size: accepted for FLA compatibility.
 
     Returns:
         (o [B, T, HV, V] in q's dtype, final_state or None)
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
     batch_invariant = _check_bool("batch_invariant", batch_invariant)
-    cu_seqlens_cpu = kwargs.pop("cu_seqlens_cpu", None)
     kwargs.pop("chunk_indices", None)
     chunk_size = kwargs.pop("chunk_size", None)
     if chunk_size not in (None, 16, 32, 64):  # the result does not depend on it; kernels use their own

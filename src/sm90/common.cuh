@@ -185,6 +185,13 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
 }
 // Generic-proxy smem writes must be made visible to wgmma (async proxy) before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Programmatic dependent launch (launch_kernel, gdn_fwd_sm90.cu): a kernel launched so
+// may start while the previous one on the stream finishes, once that one has let it
+// (allow_dependent_launch); it waits here, before its first read of anything the previous
+// kernels wrote, until they have completed and their writes are visible. Both are no-ops for
+// kernels launched the ordinary way.
+__device__ __forceinline__ void wait_for_previous_kernels() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // Barrier 1 among the 128 math threads only (the producer warp never joins it).
 __device__ __forceinline__ void math_bar() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 

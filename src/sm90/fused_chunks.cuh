@@ -150,6 +150,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   uint64_t* ofree = oready + 2;        // [kOBufs]: the store threads have copied it out
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+  wait_for_previous_kernels();  // the chunk table and the inverse kernel's regions
   const PieceCta tile = piece_cta(p);
   const int vt = tile.vt, n = tile.n, hv = tile.hv;
   const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;

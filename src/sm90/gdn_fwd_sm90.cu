@@ -62,7 +62,17 @@ int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recu
 int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
 int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
+int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 #endif
+
+// The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
+int inverse_group_for(int64_t nregions, int G, int sms) {
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_inv_group < 0) return G;
+  if (g_test_inv_group > 0 && G % g_test_inv_group == 0) return g_test_inv_group;
+#endif
+  return inverse_group(nregions, G, sms);
+}
 
 // The longest sequence in chunks: from the host lengths when given, else a bound (T).
 int64_t longest_chunks(const GdnForwardParams& p) {
@@ -116,7 +126,7 @@ constexpr double kScanStepUs = 4.0;                    // one step of the scan
 constexpr double kPassUs = 10.0;                       // the scan and pass 1 launches
 constexpr double kExactShare = 0.25;                   // heads assumed to take the exact path
 constexpr int kWarmChunksTypical = 5;
-double split_cost(int64_t pairs, int64_t longest, int np, int sms) {
+double split_cost(double pairs, int64_t longest, int np, int sms) {
   auto pass = [&](double ctas, int64_t steps) {
     if (ctas <= 0) return 0.0;
     const double waves = std::ceil(ctas / sms), active = std::min<double>(ctas, sms) / sms;
@@ -136,9 +146,20 @@ struct SplitChoice {
 SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   SplitChoice sc;
   if (!use_fused(p) || p.split == SplitMode::kOff) return sc;
-  const int64_t N = num_seqs(p), pairs = N * p.shape.num_v_heads;
+  const int64_t N = num_seqs(p);
   const int64_t longest = longest_chunks(p);  // device cu_seqlens alone: a bound
   if (longest < 2) return sc;
+  // The (sequence, value head) pairs as the model counts them: every pair as long as the
+  // longest sequence, unless the host lengths say otherwise; then each sequence by its share of
+  // the longest chain (a short sequence is cut into few pieces or none and adds few CTAs:
+  // counted whole, 28672 + 4096 tokens at 16/16 looked like 32 full pairs, and the model kept
+  // the sequence whole, 1.04 ms against 0.66 split).
+  double pairs = static_cast<double>(N) * p.shape.num_v_heads;
+  if (p.cu_seqlens.data && p.cu_seqlens_host) {
+    int64_t chunks = 0;
+    for (int64_t n = 0; n < N; ++n) chunks += (p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] + kC - 1) / kC;
+    pairs = static_cast<double>(chunks) / longest * p.shape.num_v_heads;
+  }
   int best = 1;
   if ((p.split == SplitMode::kOn && p.split_chunks > 0) || p.batch_invariant) {
     // A plan from the caller, or for batch invariance one that no other sequence or head can
@@ -241,6 +262,27 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
 // more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
 // for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
 // sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
+// Launches kernel<<<grid, block, smem, stream>>>(args); with `dependent`, as a programmatic
+// dependent launch: its CTAs may be placed (and their launch latency paid) while the previous
+// kernel on the stream finishes, on the SMs that kernel leaves free, and the kernel calls
+// wait_for_previous_kernels() before it reads their outputs (common.cuh). Captured in CUDA
+// graphs as a programmatic edge.
+template <class Kernel, class... Args>
+cudaError_t launch_kernel(bool dependent, Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          const Args&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
                     const CUtensorMap& tmk, const SeqDesc& sd, int sms) {
@@ -257,15 +299,25 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
+  // Dependent launches (launch_kernel) only where the inverse kernel leaves SMs free
+  // for the recurrence's CTAs to wait on: there they hide the launch latencies of a short call.
+  // With the inverse kernel on every SM they gained nothing and cost 1-1.5% (16/64 8192x4).
+  int inv_group = 1;
+  unsigned inv_grid = 0;
+  if (nregions > 0) {
+    inv_group = inverse_group_for(nregions, HV / static_cast<int>(p.shape.num_qk_heads), sms);
+    inv_grid = inverse_grid(nregions, inv_group, sms);
+  }
+  const bool dependent = inv_grid < static_cast<unsigned>(sms);
   if (nregions > 0) {
     PrepParams pp = chunk_params(p, sd, N, table);
     if (p.qk_l2_normalized) pp.q = nullptr;  // unit rows: the inverse kernel skips q's norms (eq = 0)
     pp.tmk = tmk;
     pp.regions = regions;
-    const unsigned grid = static_cast<unsigned>(
-        std::max<int64_t>(1, std::min<int64_t>(sms, (nregions / (HV / p.shape.num_qk_heads) + kInvWarpgroups - 1) / kInvWarpgroups)));
-    gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
-    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
+    pp.inv_group = inv_group;
+    QLA_CUDA_TRY(launch_kernel(dependent, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups), kInvSmem,
+                               stream, pp),
+                 "launch gdn_fwd_inverse");
   }
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
@@ -285,13 +337,20 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   }
   // Pass 0 (every forward): whole sequences, or the transfer maps (V + K columns), the first
   // pieces and the warm-up pieces; then, when split, the scan and pass 1 (split.cuh).
+  // Pass 0 may follow the inverse kernel as a dependent launch (its CTAs then wait on the SMs
+  // the inverse kernel leaves free); pass 1 follows the scan in stream order.
   auto chunks = [&](int tiles) -> Status {
     rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
+    const dim3 grid = seq_grid(slots, HV, tiles);
+    const bool dep = dependent && rp.pass == 0;
     if (vt128)
-      gdn_fwd_chunks<T, 2><<<seq_grid(slots, HV, tiles), FusedCfg<2>::kThreads, FusedCfg<2>::kSmem, stream>>>(rp);
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2>, grid, dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem,
+                                 stream, rp),
+                   "launch gdn_fwd_chunks");
     else
-      gdn_fwd_chunks<T, 1><<<seq_grid(slots, HV, tiles), FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, stream>>>(rp);
-    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks");
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 1>, grid, dim3(FusedCfg<1>::kThreads), FusedCfg<1>::kSmem,
+                                 stream, rp),
+                   "launch gdn_fwd_chunks");
     return Status::Ok();
   };
   rp.pass = 0;
@@ -383,17 +442,10 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
   if (g_test_prec >= 0) rp.prec = g_test_prec;
 #endif
   if (vt32) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = seq_grid(N, HV, kDV / kWsVT);  // longest sequence first (seq_cta)
-    cfg.blockDim = dim3(288);
-    cfg.dynamicSmemBytes = RecWsCfg::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = overlap ? 1 : 0;
-    QLA_CUDA_TRY(cudaLaunchKernelEx(&cfg, gdn_recur_ws<T>, rp), "launch gdn_recur_ws");
+    // Longest sequence first (seq_cta); overlapped: beside the prep, polling its ready flags.
+    QLA_CUDA_TRY(launch_kernel(overlap, gdn_recur_ws<T>, seq_grid(N, HV, kDV / kWsVT), dim3(288), RecWsCfg::kSmem,
+                               stream, rp),
+                 "launch gdn_recur_ws");
   } else {
     gdn_recur<T, 64><<<seq_grid(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
   }
@@ -427,9 +479,8 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   if (!s.ok()) return s;
   pp.regions = regions;
   pp.skip = g_test_inverse_skip;
-  const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>(dinfo->sms, (max_chunks(p) * p.shape.num_qk_heads + kInvWarpgroups - 1) / kInvWarpgroups)));
-  gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
+  pp.inv_group = inverse_group_for(nregions, pp.HV / pp.H, dinfo->sms);
+  gdn_fwd_inverse<T><<<inverse_grid(nregions, pp.inv_group, dinfo->sms), 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   return Status::Ok();
 }
@@ -453,6 +504,7 @@ int set_test_fused(int mode) {
 }
 size_t test_inverse_region_bytes() { return kInvRegionBytes; }
 void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
+void set_test_inverse_group(int group) { g_test_inv_group = group; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

@@ -4,6 +4,9 @@
 // the two-pass prep's 65 KiB. The fused recurrence (fused_chunks.cuh) reads it.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "prep.cuh"
 
 namespace qla {
@@ -62,12 +65,14 @@ struct InvRegion {
   uint4 qv[8];  // the item's first value head: this thread's q runs (rows tid / 16 + 8 j)
 };
 
-// The warpgroups' work items are (chunk, key head): one K tile and one K K^T serve the key
-// head's HV / H value heads (regions), taken one after the other.
+// The warpgroups' work items are (chunk, key head, group of inv_group of its value heads): one
+// K tile and one K K^T serve the group's value heads (regions), taken one after the other.
 __device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid, int item, int gi) {
   InvRegion q;
-  q.ci = item / p.H;
-  q.hv = (item % p.H) * (p.HV / p.H) + gi;
+  const int groups = p.HV / p.H / p.inv_group;  // per key head
+  q.ci = item / (p.H * groups);
+  const int r = item % (p.H * groups);
+  q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group + gi;
   region_tokens(p, q.ci, q.b, q.t0, q.len);
   q.g = q.beta = 0.f;
   if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
@@ -266,12 +271,12 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   }
 }
 
-// Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the (chunk, key
-// head) items chunk-major, each taking the item's value heads in turn (one K tile and one K K^T
-// for all of them) and issuing the next loads before it computes the current region.
+// Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the items
+// chunk-major, each taking the item's value heads in turn (one K tile and one K K^T for all of
+// them) and issuing the next loads before it computes the current region.
 template <class T>
 __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  allow_dependent_launch();  // the fused recurrence may start its CTAs on the SMs this grid leaves
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
@@ -284,7 +289,8 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   wg_bar(1 + wg);
-  const int nitems = p.chunk_off[p.N] * p.H, G = p.HV / p.H;
+  wait_for_previous_kernels();  // the chunk table
+  const int G = p.inv_group, nitems = p.chunk_off[p.N] * (p.HV / G);
   const int stride = gridDim.x * kInvWarpgroups;
   int it = blockIdx.x * kInvWarpgroups + wg;
   auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
@@ -311,6 +317,29 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       cur = next;
     }
   }
+}
+
+// Host side: the value heads per item and the grid. A whole key head's group shares its K tile
+// and K K^T (fused-10: about 10% of a region's time saved at HV / H = 4), but its regions run one
+// after another in one warpgroup; when the regions are few the rounds of items, not the total
+// work, set the kernel's time (2/8 at 1x2048: 64 items of 4 regions on 396 warpgroups), so the
+// group is split while that shortens them (256 items of 1 region).
+constexpr double kInvShareSaving = 0.1;  // of a region's time, per region that reuses K K^T
+inline int inverse_group(int64_t nregions, int G, int sms) {
+  const int64_t slots = static_cast<int64_t>(sms) * kInvWarpgroups;
+  auto cost = [&](int gs) {
+    const int64_t rounds = (nregions + gs * slots - 1) / (gs * slots);
+    return static_cast<double>(rounds) * gs * (1.0 - kInvShareSaving * (1.0 - 1.0 / gs));
+  };
+  int best = G;
+  for (int gs = G - 1; gs >= 1; --gs)
+    if (G % gs == 0 && cost(gs) < cost(best)) best = gs;
+  return best;
+}
+inline unsigned inverse_grid(int64_t nregions, int group, int sms) {
+  const int64_t items = (nregions + group - 1) / group;
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(sms, (items + kInvWarpgroups - 1) / kInvWarpgroups)));
 }
 
 }  // namespace

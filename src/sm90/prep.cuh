@@ -123,6 +123,7 @@ __device__ void block_prefix_sum(int M, Count count, int* out) {
 // piece's rank.
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready,
                                                         PiecePlan plan = {}, int* pieces = nullptr) {
+  allow_dependent_launch();  // the fused forward's inverse kernel waits for this one's end itself
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   const int tid = threadIdx.x;
   int* order = off + N + 2;
@@ -179,6 +180,7 @@ struct PrepParams {
   int skip;       // the inverse kernel's test hook only (0 otherwise): stages left out, to time the others
   const void* q;  // the inverse kernel: q's row norms (16-byte loads; element strides B, T, H)
   int64_t sq[3];
+  int inv_group;  // the inverse kernel: value heads per work item, a divisor of HV / H (inverse_group)
 };
 
 // Host side: the sequences of a call, and what the chunk-parallel kernels (prep, inverse) take
@@ -208,6 +210,7 @@ PrepParams chunk_params(const P& p, const SeqDesc& sd, int N, const int* table) 
   pp.scale = static_cast<float>(p.scale);
   pp.q = p.q.data;
   for (int i = 0; i < 3; ++i) pp.sq[i] = p.q.stride[i];
+  pp.inv_group = pp.HV / pp.H;
   return pp;
 }
 

@@ -39,6 +39,7 @@ void set_test_overlap(int on);
 int set_test_fused(int mode);  // returns the previous mode
 size_t test_inverse_region_bytes();
 void set_test_inverse_skip(int bits);
+void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
@@ -579,6 +580,11 @@ static std::vector<Case> bench_rows() {
   r.back().lens = {6144, 2048};
   row("397B TP1 1024+7168", 1, 8192, 16, 64);
   r.back().lens = {1024, 7168};
+  // Short rows, few pairs: the fixed costs (launches, the inverse kernel's latency) weigh most.
+  row("397B TP8 1x2048", 1, 2048, 2, 8);
+  row("397B TP8 1024x8", 8, 1024, 2, 8);
+  row("35B TP1 1x2048", 1, 2048, 16, 32);
+  row("27B TP2 1x4096", 1, 4096, 8, 24);
   return r;
 }
 
@@ -827,6 +833,17 @@ int main(int argc, char** argv) {
       g_max_o = g_max_h = 0;
       for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 2468 + i, stream, i == 1 || i == 4) && ok;
       std::printf("fused V tile %d: max o %.2e  max state %.2e\n", vt, g_max_o, g_max_h);
+    }
+    // The inverse kernel's items forced to a key head's whole group and to pairs of value heads
+    // (the automatic choice takes single value heads on these small cases).
+    for (int group : {-1, 2}) {
+      qla::sm90::set_test_fused(64);
+      qla::sm90::set_test_inverse_group(group);
+      std::printf("--- fused forward, V tile 64, inverse items of %s value heads\n", group < 0 ? "all of a key head's" : "2");
+      g_max_o = g_max_h = 0;
+      for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1357 + i, stream, false) && ok;
+      std::printf("fused inverse group %d: max o %.2e  max state %.2e\n", group, g_max_o, g_max_h);
+      qla::sm90::set_test_inverse_group(0);
     }
     if (do_bench) {
       std::vector<Case> rows = bench_rows();
