@@ -10,10 +10,11 @@ import torch  # noqa: F401  (load torch's CUDA libraries before our extension: t
 
 from . import _C
 from .api import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd, l2norm
+from .cp import CPContext, build_cp_context
 
 __version__ = _C.version()
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "l2norm",
-           "has_cuda_backend", "prepare_cuda_device"]
+           "has_cuda_backend", "prepare_cuda_device", "build_cp_context", "CPContext"]
 
 
 def has_cuda_backend() -> bool:

@@ -309,6 +309,22 @@ def chunk_gated_delta_rule_bwd(
                         None if dht is None else dht.contiguous(), state_v_first)
 
 
+def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,
+             split_chunks, batch_invariant, ctx):
+    """chunk_gated_delta_rule with a cp_context (qla/cp.py), after the preprocessing."""
+    from . import cp
+    if not isinstance(ctx, cp.CPContext):
+        raise TypeError(f"cp_context: expected a qla.CPContext (qla.build_cp_context), got {type(ctx).__name__}")
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens: expected None with cp_context (the context holds this rank's boundaries)")
+    if split_mode != _ops.SPLIT_AUTO or split_chunks or batch_invariant:
+        raise ValueError("split, split_chunks, batch_invariant: expected the defaults with cp_context")
+    cu = ctx.cu_seqlens if q.device.type == "cpu" else ctx.cu_seqlens.to(q.device)
+    _check_inputs(q, k, v, g, beta, initial_state, cu, state_v_first, ctx.cu_seqlens)
+    o, ht = cp.cp_forward(q, k, v, g, beta, _resolve_scale(scale, q.shape[-1]), initial_state, state_v_first, ctx)
+    return o, (ht if output_final_state else None)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32 (fp64 for fp64)."""
     xf = x if x.dtype == torch.float64 else x.float()
@@ -336,6 +352,7 @@ def chunk_gated_delta_rule(
     split_chunks: Optional[int] = None,
     batch_invariant: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
+    cp_context=None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
@@ -368,6 +385,10 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu: a host copy of cu_seqlens (as in FLA). CUDA calls then validate the
             boundaries without a device synchronisation, and the CUDA forward plans its path
             and pieces from the true longest sequence (without it, from the bound T).
+        cp_context: context parallelism (qla.build_cp_context): q, k, v, g, beta are this
+            rank's equal slice of the packed tokens, cu_seqlens None (the context holds the
+            local boundaries), initial_state and the final state per local sequence (qla/cp.py
+            says which rows are read and what they hold). Exact, forward and backward.
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         chunk_indices, chunk_size: accepted for FLA compatibility.
 
@@ -382,8 +403,6 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_size: expected 16, 32 or 64 (or None), got {chunk_size}")
     if kwargs.pop("head_first", False):
         raise ValueError("head_first: expected False; pass tensors as [B, T, H, D]")
-    if kwargs.pop("cp_context", None) is not None:
-        raise ValueError("cp_context: context parallelism across devices is not supported; expected None")
     if "transpose_state_layout" in kwargs:  # FLA's former name of state_v_first
         if state_v_first:
             raise ValueError("transpose_state_layout: pass state_v_first only (transpose_state_layout is its old name)")
@@ -412,6 +431,9 @@ def chunk_gated_delta_rule(
         beta = beta * 2.0
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if cp_context is not None:
+        return _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                        split_mode, split_chunks, batch_invariant, cp_context)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:

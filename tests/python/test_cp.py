@@ -1,0 +1,126 @@
+"""Context parallelism (qla.build_cp_context) on the CPU backend: 2 and 4 processes with the gloo
+backend, each holding an equal slice of the packed tokens, against the single-process result in
+fp64 (outputs, every local final state, and the gradients of every input)."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import qla
+
+TOL = 1e-10
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _inputs(lens, world, H=1, HV=2, K=8, V=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    d = torch.float64
+    x = dict(q=torch.randn(1, T, H, K, generator=gen, dtype=d), k=torch.randn(1, T, H, K, generator=gen, dtype=d),
+             v=torch.randn(1, T, HV, V, generator=gen, dtype=d),
+             g=torch.nn.functional.logsigmoid(torch.randn(1, T, HV, generator=gen, dtype=d)) / 4,
+             beta=torch.randn(1, T, HV, generator=gen, dtype=d),  # logits: sigmoid in the call
+             h0=torch.randn(len(lens), HV, K, V, generator=gen, dtype=d))
+    x["g"][:, :, 0] = 0  # one head that never decays
+    w = dict(o=torch.randn(1, T, HV, V, generator=gen, dtype=d), h=torch.randn(len(lens), HV, K, V, generator=gen, dtype=d),
+             mid=torch.randn(world, len(lens), HV, K, V, generator=gen, dtype=d))
+    return x, w
+
+
+def _call(x, cu, h0, state_v_first, **kw):
+    return qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, state_v_first=state_v_first, cu_seqlens=cu, **kw)
+
+
+def _worker(rank, world, store, lens, state_v_first):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        _check_rank(rank, world, lens, state_v_first)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_rank(rank, world, lens, state_v_first):
+    x, w = _inputs(lens, world)
+    T = sum(lens)
+    L = T // world
+    lo, hi = rank * L, (rank + 1) * L
+    bounds = [0] + torch.tensor(lens).cumsum(0).tolist()
+    tr = (lambda s: s.transpose(-1, -2).contiguous()) if state_v_first else (lambda s: s)
+
+    # Single process: the whole batch, plus the state of each sequence at every rank's end that
+    # it goes on past (its prefix run alone), all in one loss: the sum of the ranks' losses.
+    xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    o, ht = _call(xs, cu, tr(xs["h0"]), state_v_first)
+    loss = (o * w["o"]).sum() + (tr(ht) * w["h"]).sum()
+    mids = {}
+    for j in range(world):
+        end = (j + 1) * L
+        for n in range(len(lens)):
+            s, e = bounds[n], bounds[n + 1]
+            if s < end < e:  # goes on past rank j
+                part = {m: t[:, s:end] for m, t in xs.items() if m != "h0"}
+                _, hm = _call(part, torch.tensor([0, end - s], dtype=torch.int32), tr(xs["h0"][n:n + 1]),
+                              state_v_first)
+                mids[j, n] = tr(hm[0]).detach()
+                loss = loss + (tr(hm[0]) * w["mid"][j, n]).sum()
+    loss.backward()
+
+    # This rank's slice with the context.
+    ctx = qla.build_cp_context(bounds)
+    gi = list(ctx.global_index)
+    xl = {n: t[:, lo:hi].clone().requires_grad_() for n, t in x.items() if n != "h0"}
+    h0l = tr(x["h0"][gi]).clone().requires_grad_()
+    ol, htl = _call(xl, None, h0l, state_v_first, cp_context=ctx)
+    htl = tr(htl)
+    loss_l = (ol * w["o"][:, lo:hi]).sum()
+    for i, n in enumerate(gi):
+        if bounds[n + 1] <= hi:  # ends here: its final state
+            assert _rel(htl[i], tr(ht)[n]) < TOL, (rank, n, "final state")
+            loss_l = loss_l + (htl[i] * w["h"][n]).sum()
+        else:  # goes on: its state after this rank's tokens
+            assert _rel(htl[i], mids[rank, n]) < TOL, (rank, n, "state at the slice end")
+            loss_l = loss_l + (htl[i] * w["mid"][rank, n]).sum()
+    assert _rel(ol, o[:, lo:hi]) < TOL, (rank, "o")
+    loss_l.backward()
+    for n in ("q", "k", "v", "g", "beta"):
+        assert _rel(xl[n].grad, xs[n].grad[:, lo:hi]) < TOL, (rank, "d" + n, _rel(xl[n].grad, xs[n].grad[:, lo:hi]))
+    dh0 = tr(h0l.grad)
+    for i, n in enumerate(gi):
+        if bounds[n] < lo:  # started on an earlier rank: its initial state row is not read
+            assert torch.count_nonzero(dh0[i]) == 0, (rank, n)
+        else:
+            assert _rel(dh0[i], xs["h0"].grad[n]) < TOL, (rank, n, "dh0")
+
+
+def _run(world, lens, state_v_first=False):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "store"), lens, state_v_first), nprocs=world, join=True)
+
+
+# With L tokens per rank: a sequence over every rank (crossed whole by the middle ones), and a
+# layout with a sequence that ends exactly at a boundary, an empty sequence right there, and
+# sequences that cross one boundary each.
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_sequence_over_every_rank(world):
+    L = 48
+    _run(world, [world * L - 5, 5])
+
+
+@pytest.mark.parametrize("world,lens", [(2, [48, 0, 30, 18]), (4, [48, 0, 70, 50, 24])])
+def test_boundaries_empty_and_crossing_sequences(world, lens):
+    _run(world, lens, state_v_first=world == 4)
+
+
+def test_context_errors():
+    with pytest.raises(ValueError, match="cp_context: expected an initialised torch.distributed process group"):
+        qla.build_cp_context([0, 8])
