@@ -166,10 +166,10 @@ class _CPFunction(torch.autograd.Function):
         h0 = h0 if h0_given else q.new_zeros((n_loc, HV, K, V), dtype=sdt)
 
         def run(i, init, vv):  # local sequence i alone: its final state
-            seg = [0, cu_list[i + 1] - cu_list[i]]
-            one = torch.tensor(seg, dtype=torch.int32, device=q.device)
+            seg = torch.tensor([0, cu_list[i + 1] - cu_list[i]], dtype=torch.int32)
             _, ht = chunk_gated_delta_rule_fwd(*(_slice_seq(t, cu_list, i) for t in (q, k, vv, g, beta)), scale=scale,
-                                               initial_state=init, output_final_state=True, cu_seqlens=one)
+                                               initial_state=init, output_final_state=True,
+                                               cu_seqlens=seg.to(q.device), cu_seqlens_cpu=seg)
             return ht[0]
 
         block = q.new_zeros((HV, K, V + K), dtype=sdt)
@@ -187,7 +187,7 @@ class _CPFunction(torch.autograd.Function):
             h0_used = h0.clone()
             h0_used[0] = _entering_state(parts, ctx, V)
         o, ht = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=h0_used,
-                                           output_final_state=True, cu_seqlens=cu)
+                                           output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=ctx.cu_seqlens)
         fctx.save_for_backward(q, k, v, g, beta, h0_used, block[..., V:].clone())
         fctx.scale, fctx.ctx, fctx.had_h0 = scale, ctx, h0_given
         return o, ht
