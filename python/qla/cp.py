@@ -117,10 +117,14 @@ def build_cp_context(cu_seqlens, group=None) -> CPContext:
 
 
 def _all_gather(x: torch.Tensor, ctx: CPContext) -> List[torch.Tensor]:
+    """Every rank's block. A gloo group gathers CUDA blocks through host copies (a few hundred
+    KiB: several processes sharing one GPU, or a CPU group beside CUDA tensors)."""
     import torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(ctx.world)]
-    dist.all_gather(parts, x.contiguous(), group=ctx.group)
-    return parts
+    via_host = x.is_cuda and dist.get_backend(ctx.group) == "gloo"
+    y = x.cpu() if via_host else x.contiguous()
+    parts = [torch.empty_like(y) for _ in range(ctx.world)]
+    dist.all_gather(parts, y, group=ctx.group)
+    return [p.to(x.device) for p in parts] if via_host else parts
 
 
 def _entering_state(parts: List[torch.Tensor], ctx: CPContext, V: int) -> torch.Tensor:
