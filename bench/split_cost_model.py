@@ -22,7 +22,6 @@ import sys
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90", "gdn_fwd_sm90.cu")
 _NAMES = ("kStepUs", "kStepLoadedUs", "kWaveSteps", "kScanStepUs", "kPassUs", "kExactShare")
-_PIECE_MIN = (16, 32, 64, 128)  # the harness's forced piece lengths (split_chunks), in chunks
 SMS = 132
 
 
@@ -70,7 +69,7 @@ def parse(path: str) -> list:
     """Rows of the harness output: shape and {piece count: ms} (1: the unsplit fused forward)."""
     rows = []
     pat = re.compile(r"bench-split (\d+)/(\d+) (\d+)x(\d+)( all decay)?\s+two-pass ([0-9.]+)\s+fused ([0-9.]+)\s+"
-                     r"auto ([0-9.]+)\s+\|\s+pieces 16: ([0-9.]+) 32: ([0-9.]+) 64: ([0-9.]+) 128: ([0-9.]+)")
+                     r"auto ([0-9.]+)\s+\|\s+pieces((?: \d+: [0-9.]+)+)")
     for line in open(path):
         m = pat.search(line)
         if not m:
@@ -79,8 +78,9 @@ def parse(path: str) -> list:
         nseq, T = min(a, b), max(a, b)  # layouts as in the grid: 1x32768, 4096x2 (sequences x length either way)
         longest = math.ceil(T / 64)
         times = {1: float(m.group(7))}
-        for lmin, t in zip(_PIECE_MIN, (float(m.group(i)) for i in range(9, 13))):
-            times.setdefault(pieces_of(longest, lmin, 64), float(t))
+        # Forced piece lengths (split_chunks) in increasing order: the shortest pieces first.
+        for length, t in re.findall(r"(\d+): ([0-9.]+)", m.group(9)):
+            times.setdefault(pieces_of(longest, int(length), 64), float(t))
         rows.append(dict(name=line.split("two-pass")[0].replace("bench-split", "").strip(), pairs=nseq * hv,
                          longest=longest, all_decay=bool(m.group(5)), times=times, auto=float(m.group(8))))
     return rows

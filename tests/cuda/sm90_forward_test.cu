@@ -890,7 +890,8 @@ int main(int argc, char** argv) {
     qla::sm90::set_test_fused(0);
     if (do_bench) {
       // Few-pair rows: the two-pass forward, the fused one unsplit, split automatically, and
-      // split into pieces of 16, 32, 64 and 128 chunks (the cost model's calibration).
+      // split into pieces of 4 to 128 chunks (the cost model's calibration, also below 128
+      // chunks, where the dispatch keeps the two-pass forward).
       std::vector<Case> rows;
       auto row = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV, bool all_decay) {
         Case c; c.name = name; c.B = B; c.T = T; c.H = H; c.HV = HV; c.bench_all_decay = all_decay; rows.push_back(c);
@@ -904,6 +905,10 @@ int main(int argc, char** argv) {
       row("8/32 1x32768", 1, 32768, 8, 32, false);
       row("16/32 1x32768", 1, 32768, 16, 32, false);
       row("4/16 4096x2", 2, 4096, 4, 16, false);
+      row("2/8 1x2048", 1, 2048, 2, 8, false);
+      row("16/32 1x2048", 1, 2048, 16, 32, false);
+      row("8/24 1x4096", 1, 4096, 8, 24, false);
+      row("16/16 1x8192", 1, 8192, 16, 16, false);
       g_bench_lean = true;
       for (const Case& c : rows) {
         qla::sm90::set_test_fused(-1);
@@ -913,17 +918,19 @@ int main(int argc, char** argv) {
         const double toff = bench(c, stream);
         g_split = qla::SplitMode::kAuto;
         const double tauto = bench(c, stream);
-        double ton[4];
-        const int lens[4] = {16, 32, 64, 128};
+        const int lens[] = {4, 8, 16, 32, 64, 128};
+        std::string forced;
         g_split = qla::SplitMode::kOn;
-        for (int k = 0; k < 4; ++k) {
-          g_split_chunks = lens[k];
-          ton[k] = bench(c, stream);
+        for (int len : lens) {
+          g_split_chunks = len;
+          char buf[32];
+          std::snprintf(buf, sizeof buf, " %d: %.3f", len, bench(c, stream) * 1e3);
+          forced += buf;
         }
         g_split = qla::SplitMode::kAuto;
         g_split_chunks = 0;
-        std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces 16: %.3f 32: %.3f 64: %.3f 128: %.3f ms\n",
-                    c.name.c_str(), t2 * 1e3, toff * 1e3, tauto * 1e3, ton[0] * 1e3, ton[1] * 1e3, ton[2] * 1e3, ton[3] * 1e3);
+        std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces%s ms\n", c.name.c_str(), t2 * 1e3,
+                    toff * 1e3, tauto * 1e3, forced.c_str());
       }
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
