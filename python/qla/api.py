@@ -319,6 +319,9 @@ def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v
         raise ValueError("cu_seqlens: expected None with cp_context (the context holds this rank's boundaries)")
     if split_mode != _ops.SPLIT_AUTO or split_chunks or batch_invariant:
         raise ValueError("split, split_chunks, batch_invariant: expected the defaults with cp_context")
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != ctx.tokens_per_rank:
+        raise ValueError(f"q: expected this rank's slice of {ctx.tokens_per_rank} tokens (cp_context), "
+                         f"got {q.shape[1]}")
     cu = ctx.cu_seqlens if q.device.type == "cpu" else ctx.cu_seqlens.to(q.device)
     _check_inputs(q, k, v, g, beta, initial_state, cu, state_v_first, ctx.cu_seqlens)
     o, ht = cp.cp_forward(q, k, v, g, beta, _resolve_scale(scale, q.shape[-1]), initial_state, state_v_first, ctx)

@@ -153,6 +153,33 @@ def test_cuda_ranks_sharing_one_gpu(lens):
     _run(2, lens, device="cuda")
 
 
+def _errors_worker(rank, world, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        with pytest.raises(ValueError, match=r"cu_seqlens: expected the total length to be a positive multiple of "
+                                             r"the group size 2 \(equal slices per rank\), got T=7"):
+            qla.build_cp_context([0, 7])
+        with pytest.raises(ValueError, match=r"cu_seqlens: expected non-decreasing boundaries from 0"):
+            qla.build_cp_context([0, 9, 8])
+        ctx = qla.build_cp_context(torch.tensor([0, 5, 8]))
+        assert ctx.tokens_per_rank == 4 and ctx.num_local_seqs == (2 if rank == 1 else 1)
+        x, _ = _inputs([8], 2)
+        args = [x[n][:, :4] for n in ("q", "k", "v", "g", "beta")]
+        with pytest.raises(ValueError, match=r"cu_seqlens: expected None with cp_context"):
+            qla.chunk_gated_delta_rule(*args, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+        with pytest.raises(ValueError, match=r"split, split_chunks, batch_invariant: expected the defaults"):
+            qla.chunk_gated_delta_rule(*args, split=True, cp_context=ctx)
+        with pytest.raises(ValueError, match=r"q: expected this rank's slice of 4 tokens \(cp_context\), got 3"):
+            qla.chunk_gated_delta_rule(*(t[:, :3] for t in args), cp_context=ctx)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)
+
+
 def test_context_errors():
     with pytest.raises(ValueError, match="cp_context: expected an initialised torch.distributed process group"):
         qla.build_cp_context([0, 8])
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_errors_worker, args=(2, os.path.join(d, "store")), nprocs=2, join=True)
