@@ -150,6 +150,9 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
             host = cu_seqlens
         if host is not None:  # value checks need host values: free on CPU, never a device sync
             vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
+            if len(vals) != cu_seqlens.shape[0]:  # the core reads N + 1 host values
+                raise ValueError(f"cu_seqlens_cpu: expected {cu_seqlens.shape[0]} entries (those of cu_seqlens), "
+                                 f"got {len(vals)}")
             if vals[0] != 0:
                 raise ValueError(f"cu_seqlens: expected the first entry to be 0, got {vals[0]}")
             for i in range(len(vals) - 1):

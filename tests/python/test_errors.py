@@ -97,6 +97,15 @@ def test_bad_cu_seqlens(cu, msg):
         qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
 
 
+def test_cu_seqlens_cpu_must_match_cu_seqlens_in_length():
+    # The core reads N + 1 host values: a shorter host copy must be refused, not read past.
+    x = make_inputs(1, 10, 2, 4, 8, 8, torch.float32, n_states=2)
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu: expected 3 entries \(those of cu_seqlens\), got 2"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                   cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32),
+                                   cu_seqlens_cpu=torch.tensor([0, 10]))
+
+
 def test_cu_seqlens_requires_batch_one():
     x = make_inputs(2, 10, 2, 4, 8, 8, torch.float32)
     with pytest.raises(ValueError, match=r"cu_seqlens: expected batch size 1 .* got q with B=2"):
