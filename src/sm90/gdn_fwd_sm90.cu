@@ -74,13 +74,23 @@ int inverse_group_for(int64_t nregions, int G, int sms) {
   return inverse_group(nregions, G, sms);
 }
 
-// The longest sequence in chunks: from the host lengths when given, else a bound (T).
-int64_t longest_chunks(const GdnForwardParams& p) {
-  if (!(p.cu_seqlens.data && p.cu_seqlens_host)) return (p.shape.seqlen + kC - 1) / kC;
-  int64_t longest = 0;
-  for (int64_t n = 0; n < p.num_seqs; ++n)
-    longest = std::max<int64_t>(longest, (p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] + kC - 1) / kC);
-  return longest;
+// The sequences in chunks as the plan sees them: from the host lengths when given, the longest
+// and the total; else the bound T for the longest (total 0: unknown).
+struct ChunkCounts {
+  int64_t longest = 0, total = 0;
+};
+ChunkCounts chunk_counts(const GdnForwardParams& p) {
+  ChunkCounts c;
+  if (!(p.cu_seqlens.data && p.cu_seqlens_host)) {
+    c.longest = (p.shape.seqlen + kC - 1) / kC;
+    return c;
+  }
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    const int64_t chunks = (p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] + kC - 1) / kC;
+    c.longest = std::max(c.longest, chunks);
+    c.total += chunks;
+  }
+  return c;
 }
 
 // Which forward runs (the one place that decides). The fused forward (inverse kernel + fused
@@ -102,7 +112,7 @@ bool use_fused(const GdnForwardParams& p) {
 #endif
   if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
   if (p.split == SplitMode::kOn || p.batch_invariant) return true;
-  if (p.split == SplitMode::kAuto && longest_chunks(p) >= kFusedMinChunks) return true;
+  if (p.split == SplitMode::kAuto && chunk_counts(p).longest >= kFusedMinChunks) return true;
   return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
 }
 
@@ -147,19 +157,16 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
   SplitChoice sc;
   if (!use_fused(p) || p.split == SplitMode::kOff) return sc;
   const int64_t N = num_seqs(p);
-  const int64_t longest = longest_chunks(p);  // device cu_seqlens alone: a bound
+  const ChunkCounts counts = chunk_counts(p);
+  const int64_t longest = counts.longest;  // device cu_seqlens alone: a bound
   if (longest < 2) return sc;
   // The (sequence, value head) pairs as the model counts them: every pair as long as the
   // longest sequence, unless the host lengths say otherwise; then each sequence by its share of
   // the longest chain (a short sequence is cut into few pieces or none and adds few CTAs:
   // counted whole, 28672 + 4096 tokens at 16/16 looked like 32 full pairs, and the model kept
   // the sequence whole, 1.04 ms against 0.66 split).
-  double pairs = static_cast<double>(N) * p.shape.num_v_heads;
-  if (p.cu_seqlens.data && p.cu_seqlens_host) {
-    int64_t chunks = 0;
-    for (int64_t n = 0; n < N; ++n) chunks += (p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] + kC - 1) / kC;
-    pairs = static_cast<double>(chunks) / longest * p.shape.num_v_heads;
-  }
+  const double pairs = static_cast<double>(counts.total ? counts.total / static_cast<double>(longest) : N) *
+                       p.shape.num_v_heads;
   int best = 1;
   if ((p.split == SplitMode::kOn && p.split_chunks > 0) || p.batch_invariant) {
     // A plan from the caller, or for batch invariance one that no other sequence or head can
