@@ -308,7 +308,8 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   if (!s.ok()) return s;
   // Dependent launches (launch_kernel) only where the inverse kernel leaves SMs free
   // for the recurrence's CTAs to wait on: there they hide the launch latencies of a short call.
-  // With the inverse kernel on every SM they gained nothing and cost 1-1.5% (16/64 8192x4).
+  // With the inverse kernel on every SM no recurrence CTA can be placed early, so nothing is
+  // gained (fused-16 in docs/design.md: the wide rows' 1-2% cost stayed with them off).
   int inv_group = 1;
   unsigned inv_grid = 0;
   if (nregions > 0) {
