@@ -40,20 +40,25 @@ constexpr uint32_t kInvRegionTail = kInvQexp + kC;  // the last byte K2 copies, 
 constexpr size_t kInvRegionBytes = 9216;
 static_assert(kInvRegionTail <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
 
-// Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): two K stages
-// (TMA; the next region's tile lands while this one is inverted; a stage's bytes then take its
-// Tu image); L and Tm fp32 [64][kLd] (phase 2's scratch in L's upper blocks); gamma, beta;
-// one TMA mbarrier per stage; the key and query exponents (int32 x 64 each) and two warps'
-// reductions.
-constexpr uint32_t kInvK = 0, kInvL = 2 * 16384;
+// Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): the item's K tile
+// (TMA; the next item's tile is loaded into it as soon as this item's K K^T has retired, so it
+// lands while the item's regions are inverted); L and Tm fp32 [64][kLd] (phase 2's scratch in
+// L's upper blocks; once the inverse is done, L's bytes take the region's Tu image for its bulk
+// store, whose read the next region waits for before it writes L); gamma, beta; the TMA
+// mbarrier; the key and query exponents (int32 x 64 each) and two warps' reductions. One K
+// stage instead of two, and the image in L, fit four warpgroups per SM instead of three: the
+// regions are latency-bound chains (barriers, substitution, block products), so more of them in
+// flight is what speeds the kernel up.
+constexpr uint32_t kInvK = 0, kInvL = 16384;
 constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
 constexpr uint32_t kInvMisc = kInvT + kC * kLd * 4;
 constexpr uint32_t kInvSKexp = kInvMisc + 2 * kC * 4 + 16, kInvSQexp = kInvSKexp + kC * 4;
 constexpr uint32_t kInvRed = kInvSQexp + kC * 4;
 constexpr uint32_t kInvWGBytes = (kInvRed + 16 + 1023) & ~1023u;
-constexpr int kInvWarpgroups = 3;  // per CTA, independent (own slice, named barrier, mbarriers)
+constexpr int kInvWarpgroups = 4;  // per CTA, independent (own slice, named barrier, mbarrier)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
 static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
+static_assert(kInvL % 1024 == 0 && kImgTokTok * 2 <= kC * kLd * 4, "the Tu image (128-byte swizzle) lives in L's bytes");
 
 // A region's place, found when its loads are issued and kept for its compute: the chunk's
 // tokens, and this thread's token's g and beta (tid < 64), whose loads are then in flight
@@ -62,12 +67,13 @@ struct InvRegion {
   int64_t b, t0;
   int len, ci, hv;
   float g, beta;
-  uint4 qv[8];  // the item's first value head: this thread's q runs (rows tid / 16 + 8 j)
 };
 
 // The warpgroups' work items are (chunk, key head, group of inv_group of its value heads): one
 // K tile and one K K^T serve the group's value heads (regions), taken one after the other.
-__device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid, int item, int gi) {
+// inverse_place: region gi of an item, without loads; inverse_gates: with its gates, whose loads
+// are then in flight during the previous region's inverse.
+__device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, int item, int gi) {
   InvRegion q;
   const int groups = p.HV / p.H / p.inv_group;  // per key head
   q.ci = item / (p.H * groups);
@@ -75,16 +81,11 @@ __device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid,
   q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group + gi;
   region_tokens(p, q.ci, q.b, q.t0, q.len);
   q.g = q.beta = 0.f;
+  return q;
+}
+__device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid, int item, int gi) {
+  InvRegion q = inverse_place(p, item, gi);
   if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
-  if (gi == 0 && p.q) {  // q's rows, for their norms: 16 bytes (8 dims) per thread and row
-    const int hq = q.hv / (p.HV / p.H);
-    const uint8_t* base = static_cast<const uint8_t*>(p.q) + 2 * (q.b * p.sq[0] + q.t0 * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      const int row = (tid >> 4) + 8 * j;
-      q.qv[j] = row < q.len ? __ldg(reinterpret_cast<const uint4*>(base + 2 * row * p.sq[1])) : make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
   return q;
 }
 // The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
@@ -98,11 +99,13 @@ __device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK,
   }
 }
 
-// One region, its loads issued earlier into the stage sK / bar. first: the item's first value
-// head, which waits for K and computes K K^T into kk (kept for the item's other value heads).
+// One region, its K tile loaded earlier into sK / bar. first: the item's first value head, which
+// waits for K, computes K K^T into kk (kept for the item's other value heads) and, once every
+// warp's product has retired, loads next_item's tile (with load_next) into the same bytes.
 template <class T, class Acc>
 __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, uint8_t* sKb, int tid, int barid,
-                                               uint64_t* bar, uint32_t phase, const InvRegion& q, bool first, Acc& kk) {
+                                               uint64_t* bar, uint32_t phase, const InvRegion& q, bool first, Acc& kk,
+                                               bool load_next, const InvRegion& next_item) {
   using L = Lay<T>;
   using H = Lay<cutlass::half_t>;
   T* sK = reinterpret_cast<T*>(sKb);
@@ -120,11 +123,22 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   } else if (first) {
     // eq_i = -round(log2 |q_i|) (one per key head: its value heads reuse it). Squares summed
     // as T pairs (bf16 sums: a few percent, enough to pick the power of two), then over the
-    // row's 16 lanes.
+    // row's 16 lanes. q's rows are read here, 16 bytes (8 dims) per thread and row: held from
+    // the previous region on, they would take 32 registers that four warpgroups per SM lack.
+    uint4 qv[8];
+    {
+      const int hq = q.hv / (p.HV / p.H);
+      const uint8_t* qb = static_cast<const uint8_t*>(p.q) + 2 * (q.b * p.sq[0] + q.t0 * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        const int row = (tid >> 4) + 8 * j;
+        qv[j] = row < len ? __ldg(reinterpret_cast<const uint4*>(qb + 2 * row * p.sq[1])) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
     float x[8];
     CUTE_UNROLL
     for (int j = 0; j < 8; ++j) {
-      const uint32_t* pu = &q.qv[j].x;
+      const uint32_t* pu = &qv[j].x;
       if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
         uint32_t acc = 0u;
         CUTE_UNROLL
@@ -150,6 +164,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
         sQexp[(tid >> 4) + 8 * j] = x[j] > 0.f ? max(-30, min(30, -(float_exponent(2.f * x[j]) >> 1))) : 0;
   }
   uint32_t* sRed = reinterpret_cast<uint32_t*>(sm + kInvRed);
+  if (tid == 0) bulk_wait_read();  // the previous region's image store has read L's bytes (ordered by the barrier below)
   if (tid < kC) {
     sGam[tid] = warp_inclusive_sum(q.g);
     sBeta[tid] = q.beta;
@@ -187,25 +202,39 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   }
   if (!(p.skip & 4)) {
     // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
+    // Warp w holds rows 16 w .. 16 w + 15, and accumulator element e lies in column block e / 8
+    // (the accumulator's column groups of 8 are e / 4): the blocks left of the diagonal need no
+    // mask, the diagonal block is masked and holds |k_r|^2, and the blocks right of it are not
+    // written at all (nothing reads L's upper blocks before phase 2 writes its scratch there).
+    // The branches are uniform per warp.
     Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     CUTE_UNROLL
-    for (int i = 0; i < size(kk); i += 2) {
-      const int r = get<0>(cc(i)), c = get<1>(cc(i));
-      const float gr = sGam[r], br = sBeta[r];
-      const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
-      const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
-      *reinterpret_cast<float2*>(sL + r * kLd + c) =
-          make_float2(r > c ? br * x0 * kk(i) : 0.f, r > c + 1 ? br * x1 * kk(i + 1) : 0.f);
-      // The diagonal's |k_r|^2: ek_r = -round(log2 |k_r|) = -floor(E / 2), E = the exponent of 2 |k_r|^2.
-      if (r == c || r == c + 1) {
-        const float k2 = r == c ? kk(i) : kk(i + 1);
-        sKexp[r] = r < len && k2 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k2) >> 1))) : 0;
+    for (int cb = 0; cb < 4; ++cb) {
+      if (cb > warp) continue;
+      CUTE_UNROLL
+      for (int i = 8 * cb; i < 8 * cb + 8; i += 2) {
+        const int r = get<0>(cc(i)), c = get<1>(cc(i));
+        const float gr = sGam[r], br = sBeta[r];
+        const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+        const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
+        float2 l = make_float2(br * x0 * kk(i), br * x1 * kk(i + 1));
+        if (cb == warp) {
+          l.x = r > c ? l.x : 0.f;
+          l.y = r > c + 1 ? l.y : 0.f;
+          // The diagonal's |k_r|^2: ek_r = -round(log2 |k_r|) = -floor(E / 2), E = the exponent of 2 |k_r|^2.
+          if (r == c || r == c + 1) {
+            const float k2 = r == c ? kk(i) : kk(i + 1);
+            sKexp[r] = r < len && k2 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k2) >> 1))) : 0;
+          }
+        }
+        *reinterpret_cast<float2*>(sL + r * kLd + c) = l;
       }
     }
   } else if (tid < kC) {
     sKexp[tid] = 0;
   }
   wg_bar(barid);  // L complete; every warp's K K^T has retired (kk holds it), so K's bytes are free
+  if (load_next) inverse_load_k(p, sKb, bar, tid, next_item);
   if (tid < kC) {
     // The image's exponent et and the norm bound kn: max over tokens of |beta_i| 2^-ek_i and of
     // -ek_i (two warps, read after the barriers below).
@@ -228,13 +257,13 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     return;
   }
 
-  // Tu' = 2^et diag(2^-ek) Tm diag(beta) as the fp16 image, into K's bytes: each thread 4 runs
-  // of 8 columns.
+  // Tu' = 2^et diag(2^-ek) Tm diag(beta) as the fp16 image, into L's bytes (dead after the
+  // inverse): each thread 4 runs of 8 columns.
   const float beta_max = __uint_as_float(max(sRed[0], sRed[1]));
   const int tu_exp = beta_max > 0.f ? max(-30, min(30, -1 - float_exponent(beta_max))) : 0;
   const int ek_min = static_cast<int>(min(sRed[2], sRed[3])) - 64;
   const float tu_scale = pow2i(tu_exp);
-  cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sK);
+  cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sL);
   Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
   CUTE_UNROLL
   for (int it = 0; it < 4; ++it) {
@@ -265,15 +294,14 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
       asm volatile("fence.proxy.async.global;" ::: "memory");
       st_release(p.ready + static_cast<size_t>(q.ci) * p.HV + q.hv, 1);
-    } else {
-      bulk_wait_read();  // the stage takes the tile of the region after next
     }
   }
 }
 
 // Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the items
 // chunk-major, each taking the item's value heads in turn (one K tile and one K K^T for all of
-// them) and issuing the next loads before it computes the current region.
+// them), the next item's K tile loaded during the item's first region and the next region's
+// gates before it computes the current one.
 template <class T>
 __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
   allow_dependent_launch();  // the fused recurrence may start its CTAs on the SMs this grid leaves
@@ -282,10 +310,9 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   uint8_t* sm = base + wg * kInvWGBytes;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);  // bar[0], bar[1]: the stages
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);  // the K tile's
   if (tid == 0) {
     mbar_init(bar, 1);
-    mbar_init(bar + 1, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   wg_bar(1 + wg);
@@ -301,28 +328,28 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     inverse_load_k(p, sm + kInvK, bar, tid, cur);
   }
   for (int k = 0; it < nitems; it += stride, ++k) {
-    const int s = k & 1;
     const bool more = it + stride < nitems;
+    // The next item's first region: its K tile goes into the stage during this item's first
+    // region (a single region per item: its gates too, one region ahead as below).
+    InvRegion next_item{};
+    if (more) next_item = G == 1 ? inverse_gates(p, tid, it + stride, 0) : inverse_place(p, it + stride, 0);
     for (int gi = 0; gi < G; ++gi) {
-      // Loads ahead: the next value head's gates, or the next item's K tile (into stage s ^ 1,
-      // whose last image store has been read: inverse_region's end) and its first gates.
+      // Loads ahead: the next value head's gates, or the next item's first gates.
       InvRegion next{};
-      if (gi + 1 < G) {
-        next = inverse_gates(p, tid, it, gi + 1);
-      } else if (more) {
-        next = inverse_gates(p, tid, it + stride, 0);
-        inverse_load_k(p, sm + kInvK + (s ^ 1) * 16384, bar + (s ^ 1), tid, next);
-      }
-      inverse_region<T>(p, sm, sm + kInvK + s * 16384, tid, 1 + wg, bar + s, (k >> 1) & 1, cur, gi == 0, kk);
+      if (gi + 1 < G) next = inverse_gates(p, tid, it, gi + 1);
+      else if (more) next = G == 1 ? next_item : inverse_gates(p, tid, it + stride, 0);
+      inverse_region<T>(p, sm, sm + kInvK, tid, 1 + wg, bar, k & 1, cur, gi == 0, kk,
+                        gi == 0 && more, next_item);
       cur = next;
     }
   }
+  if (tid == 0) bulk_wait_read();  // the last image store has read shared memory
 }
 
 // Host side: the value heads per item and the grid. A whole key head's group shares its K tile
 // and K K^T, but its regions run one after another in one warpgroup; when the regions are few
 // the rounds of items, not the total work, set the kernel's time (2/8 at 1x2048: 64 items of 4
-// regions on 396 warpgroups), so the group is split while that shortens them (256 items of 1
+// regions on 396 warpgroups, three per SM then), so the group is split while that shortens them (256 items of 1
 // region). The saving per region that reuses K K^T: 0.1 (fused-10's K1 figure) split groups
 // whose rounds came out equal, and those rows ran 1-4% slower (8/32 at 1x8192, 8192x4, 1024x8;
 // the full grid of 2026-12-01, runs A and B), so 0.2.
