@@ -39,15 +39,15 @@ def source_coefficients(path: str = _SRC) -> dict:
 
 def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS) -> float:
     """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence."""
-    def run(ctas: float, steps: int) -> float:
+    def run(ctas: float, steps: int, fractional: bool = False) -> float:
         if ctas <= 0:
             return 0.0
-        waves = math.ceil(ctas / sms)
+        waves = max(1.0, ctas / sms) if fractional else math.ceil(ctas / sms)  # unsplit: a fraction
         active = min(ctas, sms) / sms
         return waves * (steps + co["kWaveSteps"]) * (co["kStepUs"] + co["kStepLoadedUs"] * active * active)
 
     if np_ <= 1:
-        return run(2.0 * pairs, longest)
+        return run(2.0 * pairs, longest, True)
     length = math.ceil(longest / np_)
     exact = co["kExactShare"] * pairs
     warm = pairs - exact
