@@ -1,0 +1,188 @@
+// Context parallelism from C++, composed of the core's own calls (README, "Context
+// parallelism"): one packed batch over R ranks, each holding an equal contiguous slice of the
+// tokens, here all in one process on the CPU backend in fp64, against the single call.
+//
+// Per rank, for its last local sequence when that goes on to a later rank: the forward from zero
+// gives S0 (the slice's end state without the entering one) and the forward from the identity
+// with v = 0 gives the transfer map M (S_end = M S_in + S0; K = V here, so the identity is a
+// state); when the sequence also started on this rank, its end state from h0 is sent with
+// M = 0. The caller exchanges those blocks (an all_gather across ranks); a rank whose first
+// local sequence started earlier folds S <- M_m S + S0_m over the ranks from the one where it
+// started, and runs its forward with that initial state.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "problem.h"
+
+using namespace qla_test;
+
+namespace {
+
+struct Out {
+  std::vector<double> o, ht;  // [T, HV, V], [N, HV, K, V]
+};
+
+Out forward(const Problem& p) {
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat64, buf, true);
+  f.num_threads = 2;
+  const qla::Status s = qla::gdn_forward(f);
+  EXPECT_TRUE(s.ok()) << s.message();
+  Out r;
+  r.o.resize(p.T * p.HV * p.V);
+  r.ht.resize(p.N() * p.HV * p.K * p.V);
+  for (size_t i = 0; i < r.o.size(); ++i) r.o[i] = decode(buf.o, qla::DType::kFloat64, i);
+  for (size_t i = 0; i < r.ht.size(); ++i) r.ht[i] = decode(buf.ht, qla::DType::kFloat64, i);
+  return r;
+}
+
+// Tokens [lo, hi) of a packed problem (B = 1), the sequences cut at the slice's ends: its local
+// sequences are the global ones that overlap it (and empty ones starting inside it), each with
+// its global h0 row. seq[i]: the global index of local sequence i.
+Problem slice(const Problem& p, int64_t lo, int64_t hi, std::vector<int64_t>& seq) {
+  Problem s = p;
+  s.T = hi - lo;
+  s.cu = {0};
+  seq.clear();
+  for (int64_t n = 0; n + 1 < static_cast<int64_t>(p.cu.size()); ++n) {
+    const int64_t a = p.cu[n], b = p.cu[n + 1];
+    if (b > lo && a < hi) {
+      seq.push_back(n);
+      s.cu.push_back(std::min(b, hi) - lo);
+    } else if (a == b && a >= lo && a < hi) {  // empty, inside the slice
+      seq.push_back(n);
+      s.cu.push_back(a - lo);
+    }
+  }
+  auto rows = [&](const std::vector<double>& x, int64_t per_token) {
+    return std::vector<double>(x.begin() + lo * per_token, x.begin() + hi * per_token);
+  };
+  s.q = rows(p.q, p.H * p.K);
+  s.k = rows(p.k, p.H * p.K);
+  s.v = rows(p.v, p.HV * p.V);
+  s.g = rows(p.g, p.HV);
+  s.beta = rows(p.beta, p.HV);
+  const int64_t st = p.HV * p.K * p.V;
+  s.h0.assign(seq.size() * st, 0.0);
+  for (size_t i = 0; i < seq.size(); ++i)
+    std::memcpy(&s.h0[i * st], &p.h0[seq[i] * st], st * sizeof(double));
+  return s;
+}
+
+// Local sequence i alone (its tokens, h0 row `h0`), optionally with v = 0.
+Problem one_sequence(const Problem& s, int64_t i, const std::vector<double>& h0, bool zero_v) {
+  const int64_t a = s.cu[i], b = s.cu[i + 1];
+  Problem r = s;
+  r.T = b - a;
+  r.cu = {0, b - a};
+  r.q.assign(s.q.begin() + a * s.H * s.K, s.q.begin() + b * s.H * s.K);
+  r.k.assign(s.k.begin() + a * s.H * s.K, s.k.begin() + b * s.H * s.K);
+  r.v.assign(s.v.begin() + a * s.HV * s.V, s.v.begin() + b * s.HV * s.V);
+  if (zero_v) std::fill(r.v.begin(), r.v.end(), 0.0);
+  r.g.assign(s.g.begin() + a * s.HV, s.g.begin() + b * s.HV);
+  r.beta.assign(s.beta.begin() + a * s.HV, s.beta.begin() + b * s.HV);
+  r.h0 = h0;
+  return r;
+}
+
+// Per head: S <- M S + S0 (K x K times K x V, K = V).
+void fold(std::vector<double>& S, const std::vector<double>& M, const std::vector<double>& S0, int64_t HV, int64_t K) {
+  std::vector<double> out(S0);
+  for (int64_t h = 0; h < HV; ++h)
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t m = 0; m < K; ++m) {
+        const double a = M[(h * K + i) * K + m];
+        for (int64_t j = 0; j < K; ++j) out[(h * K + i) * K + j] += a * S[(h * K + m) * K + j];
+      }
+  S = out;
+}
+
+void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
+  std::vector<int64_t> cu = {0};
+  for (int64_t l : lens) cu.push_back(cu.back() + l);
+  const int64_t T = cu.back(), L = T / R, H = 1, HV = 2, K = 8;
+  ASSERT_EQ(T % R, 0);
+  Problem p = make_problem(seed, 1, T, H, HV, K, K, cu);
+  for (int64_t t = 0; t < T; ++t) p.g[t * HV] = 0.0;  // one head that never decays
+  const Out ref = forward(p);
+  const int64_t st = HV * K * K;
+
+  // Step 1 on every rank: what its last local sequence sends on, if it goes on.
+  struct Send {
+    bool on = false;
+    std::vector<double> S0, M;  // M empty: the sequence started here (M = 0)
+  };
+  std::vector<Send> sent(R);
+  std::vector<std::vector<int64_t>> seqs(R);
+  std::vector<Problem> local(R);
+  std::vector<double> identity(st, 0.0);
+  for (int64_t h = 0; h < HV; ++h)
+    for (int64_t i = 0; i < K; ++i) identity[(h * K + i) * K + i] = 1.0;
+  for (int64_t j = 0; j < R; ++j) {
+    local[j] = slice(p, j * L, (j + 1) * L, seqs[j]);
+    const std::vector<int64_t>& sq = seqs[j];
+    ASSERT_FALSE(sq.empty());
+    const int64_t last = static_cast<int64_t>(sq.size()) - 1, n = sq[last];
+    if (cu[n + 1] <= (j + 1) * L) continue;  // ends on this rank
+    sent[j].on = true;
+    std::vector<double> h0(local[j].h0.begin() + last * st, local[j].h0.begin() + (last + 1) * st);
+    if (cu[n] >= j * L) {  // started here: its end state from h0, M = 0
+      sent[j].S0 = forward(one_sequence(local[j], last, h0, false)).ht;
+    } else {
+      sent[j].S0 = forward(one_sequence(local[j], last, std::vector<double>(st, 0.0), false)).ht;
+      sent[j].M = forward(one_sequence(local[j], last, identity, true)).ht;
+    }
+  }
+
+  // Steps 3 and 4 on every rank, after the exchange (`sent` is what every rank gathered).
+  for (int64_t j = 0; j < R; ++j) {
+    const std::vector<int64_t>& sq = seqs[j];
+    const int64_t first = sq[0];
+    Problem& lp = local[j];
+    if (cu[first] < j * L) {  // continues: fold from the rank where it started
+      std::vector<double> S(st, 0.0);
+      for (int64_t m = cu[first] / L; m < j; ++m) {
+        ASSERT_TRUE(sent[m].on) << "rank " << m;
+        if (sent[m].M.empty()) S = sent[m].S0;
+        else fold(S, sent[m].M, sent[m].S0, HV, K);
+      }
+      std::copy(S.begin(), S.end(), lp.h0.begin());
+    }
+    const Out out = forward(lp);
+    // o on the slice: the single call's rows.
+    const std::vector<double> o_ref(ref.o.begin() + j * L * HV * K, ref.o.begin() + (j + 1) * L * HV * K);
+    EXPECT_LT(rel_l2(out.o, o_ref), 1e-10) << "rank " << j << " of " << R << ": o";
+    for (size_t i = 0; i < sq.size(); ++i) {
+      const int64_t n = sq[i];
+      const std::vector<double> h(out.ht.begin() + i * st, out.ht.begin() + (i + 1) * st);
+      if (cu[n + 1] <= (j + 1) * L) {  // ends here: the single call's final state
+        const std::vector<double> hr(ref.ht.begin() + n * st, ref.ht.begin() + (n + 1) * st);
+        EXPECT_LT(rel_l2(h, hr), 1e-10) << "rank " << j << " of " << R << ": final state of sequence " << n;
+      } else {  // goes on: its state after this slice, as its prefix run alone gives it
+        std::vector<int64_t> pseq;
+        const Problem prefix = slice(p, cu[n], (j + 1) * L, pseq);
+        const int64_t at = std::find(pseq.begin(), pseq.end(), n) - pseq.begin();  // after empty ones at cu[n]
+        const std::vector<double> h0(p.h0.begin() + n * st, p.h0.begin() + (n + 1) * st);
+        const std::vector<double> hr = forward(one_sequence(prefix, at, h0, false)).ht;
+        EXPECT_LT(rel_l2(h, hr), 1e-10) << "rank " << j << " of " << R << ": state of sequence " << n << " at the slice end";
+      }
+    }
+  }
+}
+
+// A sequence over every rank (crossed whole by the middle ones), then one that ends exactly at a
+// boundary with an empty sequence right there, and sequences crossing one boundary each.
+TEST(CpuContextParallel, OneSequenceOverEveryRank) {
+  for (int64_t R : {2, 3, 4}) run_cp({R * 48 - 5, 5}, R, 11 + static_cast<uint32_t>(R));
+}
+
+TEST(CpuContextParallel, BoundariesEmptyAndCrossingSequences) {
+  run_cp({48, 0, 30, 18}, 2, 21);
+  run_cp({48, 0, 70, 50, 24}, 4, 22);
+  run_cp({100, 44, 0, 1, 99}, 4, 23);
+}
+
+}  // namespace
