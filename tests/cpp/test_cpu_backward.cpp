@@ -10,10 +10,6 @@ using namespace qla_test;
 
 namespace {
 
-struct Grads {
-  std::vector<double> dq, dk, dv, dg, dbeta, dh0;
-};
-
 // Loss L = <o, W> + <ht, Wh>, through the library forward in fp64.
 double loss(const Problem& p, const std::vector<double>& W, const std::vector<double>& Wh) {
   Buffers buf;
@@ -24,69 +20,6 @@ double loss(const Problem& p, const std::vector<double>& W, const std::vector<do
   for (size_t i = 0; i < W.size(); ++i) L += decode(buf.o, qla::DType::kFloat64, i) * W[i];
   for (size_t i = 0; i < Wh.size(); ++i) L += decode(buf.ht, qla::DType::kFloat64, i) * Wh[i];
   return L;
-}
-
-// The library backward with do = W, dht = Wh, in dtype d (K x V state layout unless given).
-Grads backward(const Problem& p, const std::vector<double>& W, const std::vector<double>& Wh, qla::DType d,
-               qla::StateLayout layout = qla::StateLayout::kKV) {
-  Buffers buf;
-  qla::GdnForwardParams f = forward_params(p, d, buf, false, layout);
-  const qla::DType side = d == qla::DType::kFloat64 ? qla::DType::kFloat64 : qla::DType::kFloat32;
-  std::vector<double> wh = Wh;
-  if (layout == qla::StateLayout::kVK)
-    for (int64_t m = 0; m < p.N() * p.HV; ++m)
-      for (int64_t i = 0; i < p.K; ++i)
-        for (int64_t j = 0; j < p.V; ++j) wh[m * p.K * p.V + j * p.K + i] = Wh[m * p.K * p.V + i * p.V + j];
-  std::vector<uint8_t> d_o, dht, dq, dk, dv, dg, dbeta, dh0;
-  encode(W, d, d_o);
-  encode(wh, side, dht);
-  const size_t es = Buffers::elem_size(d), ss = Buffers::elem_size(side);
-  dq.assign(p.q.size() * es, 0xff);
-  dk.assign(p.k.size() * es, 0xff);
-  dv.assign(p.v.size() * es, 0xff);
-  dg.assign(p.g.size() * ss, 0xff);
-  dbeta.assign(p.beta.size() * ss, 0xff);
-  dh0.assign(p.h0.size() * ss, 0xff);
-
-  qla::GdnBackwardParams b;
-  b.shape = f.shape;
-  b.q = f.q, b.k = f.k, b.v = f.v, b.g = f.g, b.beta = f.beta;
-  b.initial_state = f.initial_state;
-  b.cu_seqlens = f.cu_seqlens;
-  b.num_seqs = f.num_seqs;
-  b.d_o = {d_o.data(), d, {f.v.stride[0], f.v.stride[1], f.v.stride[2]}};
-  const int64_t row = layout == qla::StateLayout::kKV ? p.V : p.K;
-  b.d_final_state = {dht.data(), side, {p.HV * p.K * p.V, p.K * p.V, row}};
-  b.dq = {dq.data(), d, {f.q.stride[0], f.q.stride[1], f.q.stride[2]}};
-  b.dk = {dk.data(), d, {f.k.stride[0], f.k.stride[1], f.k.stride[2]}};
-  b.dv = {dv.data(), d, {f.v.stride[0], f.v.stride[1], f.v.stride[2]}};
-  b.dg = {dg.data(), side, {f.g.stride[0], f.g.stride[1], 0}};
-  b.dbeta = {dbeta.data(), side, {f.beta.stride[0], f.beta.stride[1], 0}};
-  b.d_initial_state = {dh0.data(), side, {p.HV * p.K * p.V, p.K * p.V, row}};
-  b.scale = f.scale;
-  b.state_layout = layout;
-  b.num_threads = 2;
-  qla::Status s = qla::gdn_backward(b);
-  EXPECT_TRUE(s.ok()) << s.message();
-
-  Grads out;
-  auto dec = [](const std::vector<uint8_t>& x, qla::DType dt, size_t n, std::vector<double>& o) {
-    o.resize(n);
-    for (size_t i = 0; i < n; ++i) o[i] = decode(x, dt, i);
-  };
-  dec(dq, d, p.q.size(), out.dq);
-  dec(dk, d, p.k.size(), out.dk);
-  dec(dv, d, p.v.size(), out.dv);
-  dec(dg, side, p.g.size(), out.dg);
-  dec(dbeta, side, p.beta.size(), out.dbeta);
-  std::vector<double> h;
-  dec(dh0, side, p.h0.size(), h);
-  out.dh0 = h;
-  if (layout == qla::StateLayout::kVK)
-    for (int64_t m = 0; m < p.N() * p.HV; ++m)
-      for (int64_t i = 0; i < p.K; ++i)
-        for (int64_t j = 0; j < p.V; ++j) out.dh0[m * p.K * p.V + i * p.V + j] = h[m * p.K * p.V + j * p.K + i];
-  return out;
 }
 
 // Central differences of loss() over every element of one input.

@@ -9,10 +9,13 @@
 // M = 0. The caller exchanges those blocks (an all_gather across ranks); a rank whose first
 // local sequence started earlier folds S <- M_m S + S0_m over the ranks from the one where it
 // started, and runs its forward with that initial state.
+// The backward mirrors it for the gradient at each slice's end state (run_cp, second half).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "problem.h"
@@ -37,6 +40,14 @@ Out forward(const Problem& p) {
   for (size_t i = 0; i < r.o.size(); ++i) r.o[i] = decode(buf.o, qla::DType::kFloat64, i);
   for (size_t i = 0; i < r.ht.size(); ++i) r.ht[i] = decode(buf.ht, qla::DType::kFloat64, i);
   return r;
+}
+
+std::vector<double> random_normal(uint32_t seed, size_t n) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> x(n);
+  for (auto& e : x) e = normal(rng);
+  return x;
 }
 
 // Tokens [lo, hi) of a packed problem (B = 1), the sequences cut at the slice's ends: its local
@@ -86,6 +97,22 @@ Problem one_sequence(const Problem& s, int64_t i, const std::vector<double>& h0,
   r.beta.assign(s.beta.begin() + a * s.HV, s.beta.begin() + b * s.HV);
   r.h0 = h0;
   return r;
+}
+
+// Per head: dS <- M^T dS + dS0 (the backward's fold).
+void fold_t(std::vector<double>& dS, const std::vector<double>& M, const std::vector<double>& dS0, int64_t HV, int64_t K) {
+  std::vector<double> out(dS0);
+  for (int64_t h = 0; h < HV; ++h)
+    for (int64_t m = 0; m < K; ++m)
+      for (int64_t i = 0; i < K; ++i) {
+        const double a = M[(h * K + m) * K + i];
+        for (int64_t j = 0; j < K; ++j) out[(h * K + i) * K + j] += a * dS[(h * K + m) * K + j];
+      }
+  dS = out;
+}
+
+std::vector<double> rows(const std::vector<double>& x, int64_t lo, int64_t hi, int64_t per) {
+  return std::vector<double>(x.begin() + lo * per, x.begin() + hi * per);
 }
 
 // Per head: S <- M S + S0 (K x K times K x V, K = V).
@@ -169,6 +196,51 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
         const std::vector<double> hr = forward(one_sequence(prefix, at, h0, false)).ht;
         EXPECT_LT(rel_l2(h, hr), 1e-10) << "rank " << j << " of " << R << ": state of sequence " << n << " at the slice end";
       }
+    }
+  }
+
+  // The backward of L = <o, W> + <ht, Wh> (final states of the global sequences). Pass A on
+  // every rank: the local backward with d(final state) 0 for a last sequence that goes on; its
+  // first sequence's d(initial state) is then that rank's part of the gradient at the entering
+  // state, dS_j, sent on with M_j. After the exchange, the fold dS <- M_m^T dS + dS_m from the
+  // rank where the last sequence ends back to this one gives its d(final state), and pass B is
+  // the local backward with it.
+  const std::vector<double> W = random_normal(seed + 100, T * HV * K), Wh = random_normal(seed + 101, p.N() * st);
+  const Grads gref = backward(p, W, Wh, qla::DType::kFloat64);
+  auto local_dht = [&](int64_t j) {
+    std::vector<double> d(seqs[j].size() * st, 0.0);
+    for (size_t i = 0; i < seqs[j].size(); ++i) {
+      const int64_t n = seqs[j][i];
+      if (cu[n + 1] <= (j + 1) * L) std::copy(Wh.begin() + n * st, Wh.begin() + (n + 1) * st, d.begin() + i * st);
+    }
+    return d;
+  };
+  std::vector<std::vector<double>> dS(R);
+  for (int64_t j = 0; j < R; ++j) {
+    const Grads a = backward(local[j], rows(W, j * L, (j + 1) * L, HV * K), local_dht(j), qla::DType::kFloat64);
+    dS[j].assign(a.dh0.begin(), a.dh0.begin() + st);  // meaningful where the first sequence started earlier
+  }
+  for (int64_t j = 0; j < R; ++j) {
+    const std::vector<int64_t>& sq = seqs[j];
+    std::vector<double> dht = local_dht(j);
+    const int64_t last = static_cast<int64_t>(sq.size()) - 1, n = sq[last];
+    if (cu[n + 1] > (j + 1) * L) {  // goes on: fold back from the rank where it ends
+      const int64_t e = (cu[n + 1] - 1) / L;
+      std::vector<double> g = dS[e];
+      for (int64_t m = e - 1; m > j; --m) fold_t(g, sent[m].M, dS[m], HV, K);
+      std::copy(g.begin(), g.end(), dht.begin() + last * st);
+    }
+    const Grads b = backward(local[j], rows(W, j * L, (j + 1) * L, HV * K), dht, qla::DType::kFloat64);
+    const std::string at = "rank " + std::to_string(j) + " of " + std::to_string(R) + ": ";
+    EXPECT_LT(rel_l2(b.dq, rows(gref.dq, j * L, (j + 1) * L, H * K)), 1e-10) << at << "dq";
+    EXPECT_LT(rel_l2(b.dk, rows(gref.dk, j * L, (j + 1) * L, H * K)), 1e-10) << at << "dk";
+    EXPECT_LT(rel_l2(b.dv, rows(gref.dv, j * L, (j + 1) * L, HV * K)), 1e-10) << at << "dv";
+    EXPECT_LT(rel_l2(b.dg, rows(gref.dg, j * L, (j + 1) * L, HV)), 1e-10) << at << "dg";
+    EXPECT_LT(rel_l2(b.dbeta, rows(gref.dbeta, j * L, (j + 1) * L, HV)), 1e-10) << at << "dbeta";
+    for (size_t i = 0; i < sq.size(); ++i) {
+      if (cu[sq[i]] < j * L) continue;  // started earlier: its h0 is the first rank's
+      const std::vector<double> d(b.dh0.begin() + i * st, b.dh0.begin() + (i + 1) * st);
+      EXPECT_LT(rel_l2(d, rows(gref.dh0, sq[i], sq[i] + 1, st)), 1e-10) << at << "dh0 of sequence " << sq[i];
     }
   }
 }
