@@ -308,4 +308,13 @@ inline Grads backward(const Problem& p, const std::vector<double>& W, const std:
   return out;
 }
 
+// n standard normal values (weights of a test loss).
+inline std::vector<double> randn(uint32_t seed, size_t n) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> x(n);
+  for (auto& e : x) e = normal(rng);
+  return x;
+}
+
 }  // namespace qla_test

@@ -39,14 +39,6 @@ std::vector<double> numeric(Problem p, std::vector<double> Problem::*field, cons
   return grad;
 }
 
-std::vector<double> randn(uint32_t seed, size_t n) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal;
-  std::vector<double> x(n);
-  for (auto& e : x) e = normal(rng);
-  return x;
-}
-
 void check_against_numeric(const Problem& p, uint32_t seed, const char* name) {
   const auto W = randn(seed, p.B * p.T * p.HV * p.V);
   const auto Wh = randn(seed + 1, p.N() * p.HV * p.K * p.V);

@@ -42,14 +42,6 @@ Out forward(const Problem& p) {
   return r;
 }
 
-std::vector<double> random_normal(uint32_t seed, size_t n) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<double> normal;
-  std::vector<double> x(n);
-  for (auto& e : x) e = normal(rng);
-  return x;
-}
-
 // Tokens [lo, hi) of a packed problem (B = 1), the sequences cut at the slice's ends: its local
 // sequences are the global ones that overlap it (and empty ones starting inside it), each with
 // its global h0 row. seq[i]: the global index of local sequence i.
@@ -99,29 +91,19 @@ Problem one_sequence(const Problem& s, int64_t i, const std::vector<double>& h0,
   return r;
 }
 
-// Per head: dS <- M^T dS + dS0 (the backward's fold).
-void fold_t(std::vector<double>& dS, const std::vector<double>& M, const std::vector<double>& dS0, int64_t HV, int64_t K) {
-  std::vector<double> out(dS0);
-  for (int64_t h = 0; h < HV; ++h)
-    for (int64_t m = 0; m < K; ++m)
-      for (int64_t i = 0; i < K; ++i) {
-        const double a = M[(h * K + m) * K + i];
-        for (int64_t j = 0; j < K; ++j) out[(h * K + i) * K + j] += a * dS[(h * K + m) * K + j];
-      }
-  dS = out;
-}
-
 std::vector<double> rows(const std::vector<double>& x, int64_t lo, int64_t hi, int64_t per) {
   return std::vector<double>(x.begin() + lo * per, x.begin() + hi * per);
 }
 
-// Per head: S <- M S + S0 (K x K times K x V, K = V).
-void fold(std::vector<double>& S, const std::vector<double>& M, const std::vector<double>& S0, int64_t HV, int64_t K) {
+// Per head: S <- M S + S0 (K x K times K x V, K = V), or with M^T (the backward's fold of the
+// gradient, dS <- M^T dS + dS0).
+void fold(std::vector<double>& S, const std::vector<double>& M, const std::vector<double>& S0, int64_t HV, int64_t K,
+          bool transpose = false) {
   std::vector<double> out(S0);
   for (int64_t h = 0; h < HV; ++h)
     for (int64_t i = 0; i < K; ++i)
       for (int64_t m = 0; m < K; ++m) {
-        const double a = M[(h * K + i) * K + m];
+        const double a = transpose ? M[(h * K + m) * K + i] : M[(h * K + i) * K + m];
         for (int64_t j = 0; j < K; ++j) out[(h * K + i) * K + j] += a * S[(h * K + m) * K + j];
       }
   S = out;
@@ -205,7 +187,7 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
   // state, dS_j, sent on with M_j. After the exchange, the fold dS <- M_m^T dS + dS_m from the
   // rank where the last sequence ends back to this one gives its d(final state), and pass B is
   // the local backward with it.
-  const std::vector<double> W = random_normal(seed + 100, T * HV * K), Wh = random_normal(seed + 101, p.N() * st);
+  const std::vector<double> W = randn(seed + 100, T * HV * K), Wh = randn(seed + 101, p.N() * st);
   const Grads gref = backward(p, W, Wh, qla::DType::kFloat64);
   auto local_dht = [&](int64_t j) {
     std::vector<double> d(seqs[j].size() * st, 0.0);
@@ -227,7 +209,7 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
     if (cu[n + 1] > (j + 1) * L) {  // goes on: fold back from the rank where it ends
       const int64_t e = (cu[n + 1] - 1) / L;
       std::vector<double> g = dS[e];
-      for (int64_t m = e - 1; m > j; --m) fold_t(g, sent[m].M, dS[m], HV, K);
+      for (int64_t m = e - 1; m > j; --m) fold(g, sent[m].M, dS[m], HV, K, true);
       std::copy(g.begin(), g.end(), dht.begin() + last * st);
     }
     const Grads b = backward(local[j], rows(W, j * L, (j + 1) * L, HV * K), dht, qla::DType::kFloat64);
