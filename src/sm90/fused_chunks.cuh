@@ -209,6 +209,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         const int rows = role.out && c >= nwarm ? static_cast<int>(min<int64_t>(kC, slen - cs)) : 0;
         T* oc = ob + (t0 + cs) * p.so[1];
         mbar_wait(&oready[ob_i], (c / Cfg::kOBufs) & 1);
+#ifdef QLA_SM90_TEST_HOOKS
+        if (p.skip & 8) {
+          // (timing variant: no store)
+        } else
+#endif
         if (vec) {
           for (int q = st_t; q < rows * (VT / 8); q += Cfg::kStoreThreads) {
             const int j = q / (VT / 8), v8 = q % (VT / 8);
@@ -234,6 +239,29 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
       const int tok = static_cast<int>(t0) + (c0 + c) * kC, bb = static_cast<int>(b);
       mbar_wait(&empty[st], parity(c) ^ 1);
+#ifdef QLA_SM90_TEST_HOOKS
+      if (p.skip) {  // timing variant (test builds): leave some loads out, the stage keeps stale bytes
+        uint32_t tx = 0;
+        if (!(p.skip & 1)) tx += 2 * kQKBytes;
+        if (!(p.skip & 2)) tx += kC * 64 * 2 * kMathWGs;
+        if (!(p.skip & 4)) tx += kImgTokTok * 2 + Cfg::kGateCopy;
+        mbar_expect_tx(&full[st], tx);
+        if (!(p.skip & 1))
+          for (int h = 0; h < 2; ++h) {
+            tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, &full[st]);
+            tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
+          }
+        if (!(p.skip & 2))
+          for (int h = 0; h < kMathWGs; ++h)
+            tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
+        if (!(p.skip & 4)) {
+          const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c0 + c) * p.HV + hv) * kInvRegionBytes;
+          bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
+          bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
+        }
+        continue;
+      }
+#endif
       mbar_expect_tx(&full[st], Cfg::kTx);
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {

@@ -63,6 +63,7 @@ int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V t
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
 int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
+int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -336,6 +337,9 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   }
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
+#ifdef QLA_SM90_TEST_HOOKS
+  rp.skip = g_test_fused_skip;
+#endif
   rp.scale = static_cast<float>(p.scale);
   bool vt128 = 2 * static_cast<int64_t>(N) * HV > sms && !(p.cu_seqlens.data && N < 4);
 #ifdef QLA_SM90_TEST_HOOKS
@@ -520,6 +524,7 @@ int set_test_fused(int mode) {
 size_t test_inverse_region_bytes() { return kInvRegionBytes; }
 void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
+void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

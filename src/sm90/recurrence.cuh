@@ -55,6 +55,10 @@ struct RecParams {
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
   float warm_decay;   // warm-up when the chunks before a boundary sum g to at most this (log) ...
   int warm_max;       // ... within this many chunks (0: never)
+  // Test builds only (set_test_fused_skip): what the fused recurrence leaves out, for timing
+  // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
+  // gates), 8 o's stores. 0 in the library.
+  int skip;
 };
 
 constexpr int kStages = 2;

@@ -40,6 +40,7 @@ int set_test_fused(int mode);  // returns the previous mode
 size_t test_inverse_region_bytes();
 void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
+void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
@@ -741,7 +742,7 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
-  bool do_split = false;
+  bool do_split = false, do_fused_skip = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
@@ -749,6 +750,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
     if (std::string(argv[i]) == "--fused") do_fused = true;
     if (std::string(argv[i]) == "--split") do_split = true;
+    if (std::string(argv[i]) == "--fused-skip-bench") do_fused_skip = true;
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
@@ -935,6 +937,30 @@ int main(int argc, char** argv) {
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
     }
+  }
+  if (do_fused_skip) {
+    // Which of a chunk's bytes set the fused recurrence's step when every SM is busy: the
+    // forward timed with K and Q's loads (1), V's (2), the regions' (4) or o's stores (8) left
+    // out (results wrong), on rows that fill the GPU and on one that leaves most SMs idle.
+    const std::vector<Case> rows = bench_rows();
+    const int bits[] = {0, 1, 2, 4, 8, 15};
+    g_bench_lean = true;
+    for (int r : {3, 1, 0, 5}) {
+      for (int vt : {0, 64}) {
+        qla::sm90::set_test_fused(vt);
+        std::string line;
+        for (int b : bits) {
+          qla::sm90::set_test_fused_skip(b);
+          char buf[48];
+          std::snprintf(buf, sizeof buf, "  skip %2d: %.3f", b, bench(rows[r], stream) * 1e3);
+          line += buf;
+        }
+        std::printf("bench-fused-skip %-30s %s%s ms\n", rows[r].name.c_str(), vt ? "V tile 64 " : "dispatched", line.c_str());
+      }
+    }
+    qla::sm90::set_test_fused_skip(0);
+    qla::sm90::set_test_fused(0);
+    g_bench_lean = false;
   }
   if (do_inverse) {
     for (size_t i = 0; i < cases.size(); ++i) ok = check_inverse(cases[i], 4321 + i, stream) && ok;
