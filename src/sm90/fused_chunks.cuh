@@ -150,7 +150,13 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   uint64_t* ofree = oready + 2;        // [kOBufs]: the store threads have copied it out
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+#ifdef QLA_SM90_TEST_HOOKS
+  // Test builds, overlapped variant (p.ready): beside the inverse kernel, each region's flag
+  // waited for by the producer instead of the whole kernel here.
+  if (!p.ready) wait_for_previous_kernels();
+#else
   wait_for_previous_kernels();  // the chunk table and the inverse kernel's regions
+#endif
   const PieceCta tile = piece_cta(p);
   const int vt = tile.vt, n = tile.n, hv = tile.hv;
   const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
@@ -274,6 +280,13 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         // map's columns, split.cuh) the box lies outside v's tensor map and arrives as zeros
         tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
       const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c0 + c) * p.HV + hv) * kInvRegionBytes;
+#ifdef QLA_SM90_TEST_HOOKS
+      if (p.ready) {  // overlapped variant: the region is written by the inverse kernel running beside
+        const int* f = p.ready + static_cast<size_t>(ci0 + c0 + c) * p.HV + hv;
+        while (ld_acquire(f) == 0) __nanosleep(100);
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
+      }
+#endif
       bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
       bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
     }

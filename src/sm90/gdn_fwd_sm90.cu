@@ -64,6 +64,7 @@ int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (
 int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
+int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -309,7 +310,14 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   int* table = reinterpret_cast<int*>(ws + wl.table);
   int* pieces = sc.max_pieces ? reinterpret_cast<int*>(ws + wl.pieces) : nullptr;
   void* regions = ws + wl.regions;
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0, sc.plan, pieces);
+  int* ready = nullptr;  // test builds, overlapped variant: per-region flags (the table kernel clears them)
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_fused_overlap && !sc.max_pieces && nregions > 0 &&
+      inverse_grid(nregions, inverse_group_for(nregions, HV / static_cast<int>(p.shape.num_qk_heads), sms), sms) <
+          static_cast<unsigned>(sms))
+    ready = reinterpret_cast<int*>(ws + wl.ready);
+#endif
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
@@ -331,7 +339,8 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     pp.tmk = tmk;
     pp.regions = regions;
     pp.inv_group = inv_group;
-    QLA_CUDA_TRY(launch_kernel(dependent, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups), kInvSmem,
+    pp.ready = ready;  // (then launched in stream order: the recurrence beside it reads the chunk table)
+    QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups), kInvSmem,
                                stream, pp),
                  "launch gdn_fwd_inverse");
   }
@@ -339,6 +348,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.tmv = tmv;
 #ifdef QLA_SM90_TEST_HOOKS
   rp.skip = g_test_fused_skip;
+  rp.ready = ready;
 #endif
   rp.scale = static_cast<float>(p.scale);
   bool vt128 = 2 * static_cast<int64_t>(N) * HV > sms && !(p.cu_seqlens.data && N < 4);
@@ -525,6 +535,7 @@ size_t test_inverse_region_bytes() { return kInvRegionBytes; }
 void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
+void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

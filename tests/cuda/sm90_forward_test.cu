@@ -41,6 +41,7 @@ size_t test_inverse_region_bytes();
 void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
+void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
@@ -755,6 +756,10 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
   }
+#ifdef QLA_SM90_TEST_HOOKS
+  // The overlapped variant of the fused forward (its suites and bench rows with it on).
+  if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
+#endif
   int ndev = 0;
   // 77: skipped (ctest SKIP_RETURN_CODE) on machines without a GPU, such as CI.
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
