@@ -46,9 +46,9 @@ static_assert(kInvRegionTail <= kInvRegionBytes && kInvRegionBytes <= 16384, "in
 // L's upper blocks; once the inverse is done, L's bytes take the region's Tu image for its bulk
 // store, whose read the next region waits for before it writes L); gamma, beta; the TMA
 // mbarrier; the key and query exponents (int32 x 64 each) and two warps' reductions. One K
-// stage instead of two, and the image in L, fit four warpgroups per SM instead of three: the
-// regions are latency-bound chains (barriers, substitution, block products), so more of them in
-// flight is what speeds the kernel up.
+// stage instead of two, and the image in L, fit four warpgroups per SM instead of three: each
+// region is a chain of barriers, substitution and block products, and a third more of them in
+// flight made the kernel 5-19% faster (fused-17 in docs/design.md).
 constexpr uint32_t kInvK = 0, kInvL = 16384;
 constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
 constexpr uint32_t kInvMisc = kInvT + kC * kLd * 4;
