@@ -29,3 +29,21 @@ def test_piece_count_matches_the_kernels_rule():
     assert scm.pieces_of(47, 1, 64) == 47
     assert scm.pieces_of(64, 64, 64) == 1
     assert scm.pieces_of(4096, 1, 64) == 64
+
+
+def test_short_rows_stay_unsplit_and_uneven_wide_rows_too():
+    # The short rows of the sixth session's --split --bench: below 128 chunks no piece count beat
+    # the unsplit fused forward, and the model keeps them whole.
+    rows = {r["name"]: r for r in scm.parse(os.path.join(ROOT, "bench", "results", "raw",
+                                                         "fwd_split_bench_short_2026-12-01.txt"))}
+    co = scm.source_coefficients()
+    assert scm.regret(co, list(rows.values())) < 1.01
+    for name in ("2/8 1x2048", "16/32 1x2048", "8/24 1x4096"):
+        assert min(rows[name]["times"], key=rows[name]["times"].get) == 1, name
+        assert scm.best_pieces(co, rows[name]) == 1, name
+    # Many length-weighted pairs (16/64 at 28672 + 4096 tokens: 64 x 512 / 448 chunks) and 96 equal
+    # pairs of 256 chunks: unsplit, as the grid measured best (split-3 in docs/design.md: 1.48
+    # against 1.80 ms split in two); a few-pair long sequence still splits.
+    assert scm.best_pieces(co, dict(pairs=64 * 512 / 448, longest=448)) == 1
+    assert scm.best_pieces(co, dict(pairs=96, longest=256)) == 1
+    assert scm.best_pieces(co, dict(pairs=8, longest=512)) == 8
