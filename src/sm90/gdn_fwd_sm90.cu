@@ -272,12 +272,6 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
   return rp;
 }
 
-// The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
-// (kInvRegionBytes each), then the fused recurrence, in stream order. V tile 128 (two math
-// warpgroups sharing every load; a chunk step ~1.5x V tile 64's) once V tile 64 would need
-// more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
-// for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
-// sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
 // Launches kernel<<<grid, block, smem, stream>>>(args); with `dependent`, as a programmatic
 // dependent launch: its CTAs may be placed (and their launch latency paid) while the previous
 // kernel on the stream finishes, on the SMs that kernel leaves free, and the kernel calls
@@ -299,6 +293,12 @@ cudaError_t launch_kernel(bool dependent, Kernel kernel, dim3 grid, dim3 block, 
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
+// (kInvRegionBytes each), then the fused recurrence, in stream order. V tile 128 (two math
+// warpgroups sharing every load; a chunk step ~1.5x V tile 64's) once V tile 64 would need
+// more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
+// for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
+// sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
                     const CUtensorMap& tmk, const SeqDesc& sd, int sms) {
@@ -310,18 +310,6 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   int* table = reinterpret_cast<int*>(ws + wl.table);
   int* pieces = sc.max_pieces ? reinterpret_cast<int*>(ws + wl.pieces) : nullptr;
   void* regions = ws + wl.regions;
-  int* ready = nullptr;  // test builds, overlapped variant: per-region flags (the table kernel clears them)
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_fused_overlap && !sc.max_pieces && nregions > 0 &&
-      inverse_grid(nregions, inverse_group_for(nregions, HV / static_cast<int>(p.shape.num_qk_heads), sms), sms) <
-          static_cast<unsigned>(sms))
-    ready = reinterpret_cast<int*>(ws + wl.ready);
-#endif
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
-  CUtensorMap tmv;
-  Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
-  if (!s.ok()) return s;
   // Dependent launches (launch_kernel) only where the inverse kernel leaves SMs free
   // for the recurrence's CTAs to wait on: there they hide the launch latencies of a short call.
   // With the inverse kernel on every SM no recurrence CTA can be placed early, so nothing is
@@ -333,6 +321,15 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     inv_grid = inverse_grid(nregions, inv_group, sms);
   }
   const bool dependent = inv_grid < static_cast<unsigned>(sms);
+  int* ready = nullptr;  // test builds, overlapped variant: per-region flags (the table kernel clears them)
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_fused_overlap && dependent && !sc.max_pieces && nregions > 0) ready = reinterpret_cast<int*>(ws + wl.ready);
+#endif
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
+  CUtensorMap tmv;
+  Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
   if (nregions > 0) {
     PrepParams pp = chunk_params(p, sd, N, table);
     if (p.qk_l2_normalized) pp.q = nullptr;  // unit rows: the inverse kernel skips q's norms (eq = 0)

@@ -42,6 +42,11 @@ Out forward(const Problem& p) {
   return r;
 }
 
+// Rows lo .. hi - 1 of x, `per` values each (tokens, or state blocks).
+std::vector<double> rows(const std::vector<double>& x, int64_t lo, int64_t hi, int64_t per) {
+  return std::vector<double>(x.begin() + lo * per, x.begin() + hi * per);
+}
+
 // Tokens [lo, hi) of a packed problem (B = 1), the sequences cut at the slice's ends: its local
 // sequences are the global ones that overlap it (and empty ones starting inside it), each with
 // its global h0 row. seq[i]: the global index of local sequence i.
@@ -60,14 +65,11 @@ Problem slice(const Problem& p, int64_t lo, int64_t hi, std::vector<int64_t>& se
       s.cu.push_back(a - lo);
     }
   }
-  auto rows = [&](const std::vector<double>& x, int64_t per_token) {
-    return std::vector<double>(x.begin() + lo * per_token, x.begin() + hi * per_token);
-  };
-  s.q = rows(p.q, p.H * p.K);
-  s.k = rows(p.k, p.H * p.K);
-  s.v = rows(p.v, p.HV * p.V);
-  s.g = rows(p.g, p.HV);
-  s.beta = rows(p.beta, p.HV);
+  s.q = rows(p.q, lo, hi, p.H * p.K);
+  s.k = rows(p.k, lo, hi, p.H * p.K);
+  s.v = rows(p.v, lo, hi, p.HV * p.V);
+  s.g = rows(p.g, lo, hi, p.HV);
+  s.beta = rows(p.beta, lo, hi, p.HV);
   const int64_t st = p.HV * p.K * p.V;
   s.h0.assign(seq.size() * st, 0.0);
   for (size_t i = 0; i < seq.size(); ++i)
@@ -81,18 +83,14 @@ Problem one_sequence(const Problem& s, int64_t i, const std::vector<double>& h0,
   Problem r = s;
   r.T = b - a;
   r.cu = {0, b - a};
-  r.q.assign(s.q.begin() + a * s.H * s.K, s.q.begin() + b * s.H * s.K);
-  r.k.assign(s.k.begin() + a * s.H * s.K, s.k.begin() + b * s.H * s.K);
-  r.v.assign(s.v.begin() + a * s.HV * s.V, s.v.begin() + b * s.HV * s.V);
+  r.q = rows(s.q, a, b, s.H * s.K);
+  r.k = rows(s.k, a, b, s.H * s.K);
+  r.v = rows(s.v, a, b, s.HV * s.V);
   if (zero_v) std::fill(r.v.begin(), r.v.end(), 0.0);
-  r.g.assign(s.g.begin() + a * s.HV, s.g.begin() + b * s.HV);
-  r.beta.assign(s.beta.begin() + a * s.HV, s.beta.begin() + b * s.HV);
+  r.g = rows(s.g, a, b, s.HV);
+  r.beta = rows(s.beta, a, b, s.HV);
   r.h0 = h0;
   return r;
-}
-
-std::vector<double> rows(const std::vector<double>& x, int64_t lo, int64_t hi, int64_t per) {
-  return std::vector<double>(x.begin() + lo * per, x.begin() + hi * per);
 }
 
 // Per head: S <- M S + S0 (K x K times K x V, K = V), or with M^T (the backward's fold of the
@@ -137,7 +135,7 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
     const int64_t last = static_cast<int64_t>(sq.size()) - 1, n = sq[last];
     if (cu[n + 1] <= (j + 1) * L) continue;  // ends on this rank
     sent[j].on = true;
-    std::vector<double> h0(local[j].h0.begin() + last * st, local[j].h0.begin() + (last + 1) * st);
+    const std::vector<double> h0 = rows(local[j].h0, last, last + 1, st);
     if (cu[n] >= j * L) {  // started here: its end state from h0, M = 0
       sent[j].S0 = forward(one_sequence(local[j], last, h0, false)).ht;
     } else {
@@ -162,19 +160,19 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
     }
     const Out out = forward(lp);
     // o on the slice: the single call's rows.
-    const std::vector<double> o_ref(ref.o.begin() + j * L * HV * K, ref.o.begin() + (j + 1) * L * HV * K);
+    const std::vector<double> o_ref = rows(ref.o, j * L, (j + 1) * L, HV * K);
     EXPECT_LT(rel_l2(out.o, o_ref), 1e-10) << "rank " << j << " of " << R << ": o";
     for (size_t i = 0; i < sq.size(); ++i) {
       const int64_t n = sq[i];
-      const std::vector<double> h(out.ht.begin() + i * st, out.ht.begin() + (i + 1) * st);
+      const std::vector<double> h = rows(out.ht, i, i + 1, st);
       if (cu[n + 1] <= (j + 1) * L) {  // ends here: the single call's final state
-        const std::vector<double> hr(ref.ht.begin() + n * st, ref.ht.begin() + (n + 1) * st);
+        const std::vector<double> hr = rows(ref.ht, n, n + 1, st);
         EXPECT_LT(rel_l2(h, hr), 1e-10) << "rank " << j << " of " << R << ": final state of sequence " << n;
       } else {  // goes on: its state after this slice, as its prefix run alone gives it
         std::vector<int64_t> pseq;
         const Problem prefix = slice(p, cu[n], (j + 1) * L, pseq);
         const int64_t at = std::find(pseq.begin(), pseq.end(), n) - pseq.begin();  // after empty ones at cu[n]
-        const std::vector<double> h0(p.h0.begin() + n * st, p.h0.begin() + (n + 1) * st);
+        const std::vector<double> h0 = rows(p.h0, n, n + 1, st);
         const std::vector<double> hr = forward(one_sequence(prefix, at, h0, false)).ht;
         EXPECT_LT(rel_l2(h, hr), 1e-10) << "rank " << j << " of " << R << ": state of sequence " << n << " at the slice end";
       }
@@ -221,7 +219,7 @@ void run_cp(const std::vector<int64_t>& lens, int64_t R, uint32_t seed) {
     EXPECT_LT(rel_l2(b.dbeta, rows(gref.dbeta, j * L, (j + 1) * L, HV)), 1e-10) << at << "dbeta";
     for (size_t i = 0; i < sq.size(); ++i) {
       if (cu[sq[i]] < j * L) continue;  // started earlier: its h0 is the first rank's
-      const std::vector<double> d(b.dh0.begin() + i * st, b.dh0.begin() + (i + 1) * st);
+      const std::vector<double> d = rows(b.dh0, i, i + 1, st);
       EXPECT_LT(rel_l2(d, rows(gref.dh0, sq[i], sq[i] + 1, st)), 1e-10) << at << "dh0 of sequence " << sq[i];
     }
   }
