@@ -1,7 +1,7 @@
 // sm90 (Hopper, sm_90a) forward backend of the Gated DeltaNet chunked prefill. Two forwards,
 // chosen per call by use_fused() (the shape alone); both run three launches on p.stream with no
 // host synchronisation (graph-capturable):
-// The fused forward (docs/fused.md; >= 32 (sequence, value head) pairs):
+// The fused forward (docs/fused.md; >= 20 (sequence, value head) pairs):
 //   1. gdn_chunk_table: per-sequence chunk offsets (prefix sum of ceil(len/64)) and the check of
 //                       the device cu_seqlens, on device.
 //   2. gdn_fwd_inverse<T> (inverse.cuh): chunk-parallel, per (chunk, value head): gamma, K K^T,
@@ -100,12 +100,15 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
 // or sequences of at least kFusedMinChunks chunks that it splits (split.cuh; 2/8 at 1x8192: 0.233
 // against 0.239 ms, 1x32768: 0.47 against 0.86), or whenever splitting is forced on. Below that
 // (few pairs of short sequences) the two-pass forward's V tile 32 with the prep beside it is
-// faster (2/8 at 1x4096: 0.135 against 0.172). batch_invariant calls take the fused forward
+// faster. The threshold lies between the grid's 16 and 24 pairs (the harness's --short-bench,
+// 2026-12-01): at 16 pairs the two-pass forward is 12-15% faster (4/16 at 1x4096: 0.135 against
+// 0.155 ms, 16/16 at 1x2048: 0.088 against 0.101), at 24 pairs the fused one wins (8/24 at
+// 1x4096: 0.172 against 0.201, 1x2048: 0.110 against 0.114). batch_invariant calls take the fused forward
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
 // the params alone (no data), so the workspace query agrees with the launch.
-constexpr int64_t kFusedMinPairs = 32;
+constexpr int64_t kFusedMinPairs = 20;
 constexpr int64_t kFusedMinChunks = 128;
 bool use_fused(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS

@@ -743,7 +743,7 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
-  bool do_split = false, do_fused_skip = false;
+  bool do_split = false, do_fused_skip = false, do_short = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
@@ -752,6 +752,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--fused") do_fused = true;
     if (std::string(argv[i]) == "--split") do_split = true;
     if (std::string(argv[i]) == "--fused-skip-bench") do_fused_skip = true;
+    if (std::string(argv[i]) == "--short-bench") do_short = true;
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
@@ -760,6 +761,7 @@ int main(int argc, char** argv) {
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
 #endif
+  if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   int ndev = 0;
   // 77: skipped (ctest SKIP_RETURN_CODE) on machines without a GPU, such as CI.
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
@@ -942,6 +944,47 @@ int main(int argc, char** argv) {
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
     }
+  }
+  if (do_short) {
+    // The grid's few-pair short rows (under 128 chunks, around the dispatch's pair threshold
+    // between the fused and the two-pass forward): the fused forward at V tile 64 in stream
+    // order and beside the inverse kernel, the two-pass forward, and the dispatched one.
+    std::vector<Case> rows;
+    auto row = [&](const char* name, int64_t H, int64_t HV, std::vector<int64_t> lens) {
+      Case c; c.name = name; c.B = 1; c.H = H; c.HV = HV; c.lens = lens;
+      c.T = 0;
+      for (int64_t l : lens) c.T += l;
+      rows.push_back(c);
+    };
+    row("2/8 1x2048", 2, 8, {2048});
+    row("2/8 1x4096", 2, 8, {4096});
+    row("2/8 4096+4096", 2, 8, {4096, 4096});
+    row("2/8 1024+7168", 2, 8, {1024, 7168});
+    row("2/8 6144+2048", 2, 8, {6144, 2048});
+    row("4/16 1x2048", 4, 16, {2048});
+    row("4/16 1x4096", 4, 16, {4096});
+    row("16/16 1x2048", 16, 16, {2048});
+    row("16/16 1x4096", 16, 16, {4096});
+    row("8/24 1x2048", 8, 24, {2048});
+    row("8/24 1x4096", 8, 24, {4096});
+    row("8/32 1x2048", 8, 32, {2048});
+    g_bench_lean = true;
+    for (const Case& c : rows) {
+      double t[4];
+      qla::sm90::set_test_fused(64);
+      qla::sm90::set_test_fused_overlap(0);
+      t[0] = bench(c, stream);
+      qla::sm90::set_test_fused_overlap(1);
+      t[1] = bench(c, stream);
+      qla::sm90::set_test_fused_overlap(0);
+      qla::sm90::set_test_fused(-1);
+      t[2] = bench(c, stream);
+      qla::sm90::set_test_fused(0);
+      t[3] = bench(c, stream);
+      std::printf("bench-short %-16s fused %.3f ms  fused beside K1 %.3f ms  two-pass %.3f ms  dispatched %.3f ms\n",
+                  c.name.c_str(), t[0] * 1e3, t[1] * 1e3, t[2] * 1e3, t[3] * 1e3);
+    }
+    g_bench_lean = false;
   }
   if (do_fused_skip) {
     // Which of a chunk's bytes set the fused recurrence's step when every SM is busy: the
