@@ -32,7 +32,7 @@ constexpr int kDV = 128;  // head dim of v
 constexpr int kUT = 32;   // V columns per u tile of the workspace (recurrence V tiles: 32 or 64)
 
 // Workspace region of one (chunk, value head). The 16-bit part holds the exact shared-memory
-// bytes (swizzled GMMA layouts) that gdn_recur wants, so one plain bulk copy loads it:
+// bytes (swizzled GMMA layouts) that the recurrence wants, so one plain bulk copy loads it:
 //   w_hi (tok, d) | A_hi, A_lo (i, j)                                        (elements of T)
 // followed by an fp32 part that the producer also bulk-copies (the math loop never touches
 // global memory, whose latency would sit on the sequential path):

@@ -169,7 +169,6 @@ Status bwd_launch(const GdnBackwardParams& p) {
     rp.N = N;
     rp.H = H;
     rp.HV = HV;
-    rp.prec = kPrecDefault;
     rp.states = ws + wl.states;
     // No output; o = dv only takes the NaN fill on malformed cu_seqlens (launch 6 fills them all).
     rp.o = p.dv.data;

@@ -57,9 +57,7 @@ using namespace cute;
 // Host side.
 // ---------------------------------------------------------------------------------------------
 #ifdef QLA_SM90_TEST_HOOKS
-int g_test_prec = -1;    // test builds only: overrides kPrecDefault when >= 0
 int g_test_stages = 3;   // test builds only: bit 1 = table + prep, bit 2 = recurrence (timing)
-int g_test_vt = 0;       // test builds only: 32 or 64 forces the recurrence V tile (0: auto)
 int g_test_overlap = -1;   // test builds only: 0/1 forces the overlapped prep (-1: auto)
 int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forward at that V tile, -1 the two-pass one (0: auto)
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
@@ -113,7 +111,7 @@ constexpr int64_t kFusedMinChunks = 128;
 bool use_fused(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused) return g_test_fused > 0;
-  if (g_test_vt || g_test_prec >= 0 || g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
+  if (g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
 #endif
   if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
   if (p.split == SplitMode::kOn || p.batch_invariant) return true;
@@ -240,8 +238,6 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_prep)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur_ws<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecWsCfg::kSmem),
                "cudaFuncSetAttribute(gdn_recur_ws)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_recur<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RecCfg<64>::kSmem),
-               "cudaFuncSetAttribute(gdn_recur)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<1>::kSmem),
@@ -421,24 +417,18 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 #ifdef QLA_SM90_TEST_HOOKS
   stages = g_test_stages;
 #endif
-  // Recurrence shape. V tile 32 (4 CTAs per sequence and head, warp-specialized kernel) when that
-  // makes at most two waves, or when there are one or two sequences: the sequential chunk loop is
-  // latency-bound, a narrower tile cuts its per-chunk work, and with two sequences of unequal
-  // length the longer one sets the time (16/64 at 24576+8192: 4.0 ms with V tile 64).
-  // Otherwise V tile 64 (2 CTAs per sequence and head, one math warpgroup), measured faster
-  // with many equal sequences (16/32 at 8192x4: 1.61 vs 1.77 ms).
-  bool vt32 = N <= 2 || static_cast<int64_t>(N) * HV * (kDV / 32) <= 2 * static_cast<int64_t>(dinfo->sms);
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_vt) vt32 = g_test_vt == 32;
-#endif
-  const int64_t rec_ctas = static_cast<int64_t>(N) * HV * (kDV / (vt32 ? kWsVT : 64));
+  // The recurrence at V tile 32 (4 CTAs per sequence and head, warp-specialized kernel): this
+  // forward serves fewer than kFusedMinPairs pairs, at most 80 CTAs, where the sequential chunk
+  // loop is latency-bound and a narrow tile cuts its per-chunk work. (Its V-tile-64 kernel, faster
+  // only for many equal sequences, went once the fused forward took those.)
+  const int64_t rec_ctas = static_cast<int64_t>(N) * HV * (kDV / kWsVT);
   // Overlapped mode: when the recurrence takes at most half the SMs, the prep runs beside it on
   // the others (the recurrence is launched as its programmatic dependent and waits per region
   // on a ready flag) instead of before it. Without programmatic launch the two kernels simply
   // run in order, and every flag is already set.
-  bool overlap = vt32 && 2 * rec_ctas <= dinfo->sms;
+  bool overlap = 2 * rec_ctas <= dinfo->sms;
 #ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_overlap >= 0) overlap = g_test_overlap && vt32 && rec_ctas < dinfo->sms;
+  if (g_test_overlap >= 0) overlap = g_test_overlap && rec_ctas < dinfo->sms;
 #endif
   int* ready = reinterpret_cast<int*>(ws + wl.ready);
   const int64_t nregions = mc * HV;
@@ -465,20 +455,11 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
   if (!(stages & 2)) return Status::Ok();
 
   RecParams rp = rec_params(p, tmq, tmk, sd, table, ws + wl.regions);
-  rp.prec = kPrecDefault;
   rp.ready = overlap ? ready : nullptr;
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_prec >= 0) rp.prec = g_test_prec;
-#endif
-  if (vt32) {
-    // Longest sequence first (seq_cta); overlapped: beside the prep, polling its ready flags.
-    QLA_CUDA_TRY(launch_kernel(overlap, gdn_recur_ws<T>, seq_grid(N, HV, kDV / kWsVT), dim3(288), RecWsCfg::kSmem,
-                               stream, rp),
-                 "launch gdn_recur_ws");
-  } else {
-    gdn_recur<T, 64><<<seq_grid(N, HV, kDV / 64), 160, RecCfg<64>::kSmem, stream>>>(rp);
-  }
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_recur");
+  // Longest sequence first (seq_cta); overlapped: beside the prep, polling its ready flags.
+  QLA_CUDA_TRY(launch_kernel(overlap, gdn_recur_ws<T>, seq_grid(N, HV, kDV / kWsVT), dim3(288), RecWsCfg::kSmem,
+                             stream, rp),
+               "launch gdn_recur_ws");
   return Status::Ok();
 }
 
@@ -520,11 +501,8 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
 bool compiled() { return true; }
 
 #ifdef QLA_SM90_TEST_HOOKS
-// Test builds only (tests/cuda/sm90_forward_test.cu): pick the recurrence's hi/lo correction
-// products (kPrec* bits; -1 restores the default) to measure precision against speed.
-void set_test_precision(int bits) { g_test_prec = bits; }
+// Test builds only (tests/cuda/sm90_forward_test.cu).
 void set_test_stages(int bits) { g_test_stages = bits; }
-void set_test_vt(int vt) { g_test_vt = vt; }
 void set_test_overlap(int on) { g_test_overlap = on; }
 int set_test_fused(int mode) {
   const int was = g_test_fused;

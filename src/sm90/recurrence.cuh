@@ -1,5 +1,5 @@
-// sm90 forward kernel 3: the recurrence over chunks, V tile 64 (one math warpgroup) and V tile 32
-// (warp-specialized: state and output warpgroups). See README.md in this folder.
+// sm90 two-pass forward, kernel 3: the recurrence over chunks at V tile 32 (warp-specialized:
+// state and output warpgroups), and its states role for the backward. See README.md in this folder.
 #pragma once
 
 #include "common.cuh"
@@ -12,22 +12,10 @@ namespace {
 using namespace cute;
 
 // ---------------------------------------------------------------------------------------------
-// 3. Recurrence. One CTA per (sequence, value head, V tile): warps 0-3 = math warpgroup,
-//    warp 4 = producer (bulk copies of the chunk's 32 KiB image, its u tile and gates, and TMA
-//    loads of its Q and K tiles, into a 2-stage mbarrier ring). The math loop reads only shared
-//    memory and registers.
+// 3. Recurrence. One CTA per (sequence, value head, V tile of 32 columns); a producer warp feeds
+//    a 2-stage mbarrier ring (bulk copies of the chunk's 32 KiB image, its u tile and gates, TMA
+//    loads of its Q and K tiles); the math loops read only shared memory and registers.
 // ---------------------------------------------------------------------------------------------
-// Precision bits: which hi/lo correction products the recurrence adds (the hi*hi product is
-// always there). Every operand that is not an exact input is rounded to 16 bits otherwise.
-// (Bit 1, w_lo S_hi, was dropped with the w_lo image; it is why bits 30 is "all".)
-enum : int {
-  kPrecSlo = 2,   // w_hi S_lo and Q S_lo
-  kPrecAlo = 4,   // A_lo U_hi
-  kPrecUlo = 8,   // A_hi U_lo
-  kPrecXlo = 16,  // K^T X_lo
-  kPrecAll = 30,
-};
-constexpr int kPrecDefault = kPrecAll;
 
 struct RecParams {
   CUtensorMap tmq, tmk;  // q, k as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
@@ -42,7 +30,6 @@ struct RecParams {
   void* o;
   int64_t so[3];
   int N, H, HV;
-  int prec;      // kPrec* bits
   void* states;  // backward (kStates): the state entering every chunk, 16-bit DD_K image per region
   const int* ready;  // overlapped mode: wait for each region's flag (prep runs concurrently); else null
   CUtensorMap tmv;   // the fused forward (fused_chunks.cuh): v as (d, head, token, batch), box (64, 1, 64, 1)
@@ -62,7 +49,7 @@ struct RecParams {
 };
 
 constexpr int kStages = 2;
-// Stage: 16-bit image | Q | K | u tile (fp32, 64 x 64) | gates (528 B, padded to 1 KiB: keeps the
+// Stage: 16-bit image | Q | K | u tile (fp32, 64 x VT) | gates (528 B, padded to 1 KiB: keeps the
 // next stage 1024-byte aligned for the 128-byte swizzle; the mbarriers live in stage 0's padding).
 template <int VT>
 struct RecCfg {
@@ -71,12 +58,7 @@ struct RecCfg {
   static constexpr uint32_t kStageBytes = kStG + 1024;
   static constexpr uint32_t kBarOff = kStG + 768;
   static constexpr uint32_t kStageTx = kImgBytes + 2 * kQKBytes + kUBytes + kGateBytes;
-  // S hi/lo (2 x 128 x VT) and U, X hi/lo (4 x 64 x VT) share one buffer (see below).
-  static constexpr size_t kSmem = 1024 + kStages * size_t(kStageBytes) + 2 * kDK * VT * 2;
-  static_assert(kSmem <= 232448, "recurrence smem over the 227 KiB limit");
 };
-// One 32 KiB buffer holds S hi/lo during batch 1 and U hi/lo, X hi/lo during batch 2: their
-// lifetimes do not overlap (named barriers between them), and the smem limit is 227 KiB.
 static_assert(kGateBytes <= 768, "gates overlap the mbarriers");
 
 // A recurrence CTA's coordinates (grid order: seq_cta in common.cuh).
@@ -199,201 +181,12 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
   }
 }
 
-template <class T, int VT>
-__global__ void __launch_bounds__(160, 1) gdn_recur(const __grid_constant__ RecParams p) {
-  using L = Lay<T>;
-  using RL = RecLay<T, VT>;
-  using Cfg = RecCfg<VT>;
-  constexpr uint32_t kStageBytes = Cfg::kStageBytes;
-  extern __shared__ uint8_t smem_raw[];
-  // 1 KiB aligned (128-byte swizzle atoms), as an offset from smem_raw so that the compiler keeps
-  // the shared state space (LDS/STS, 32-bit addresses) and knows the alignment (vector accesses).
-  uint8_t* sm = static_cast<uint8_t*>(
-      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
-  T* sSh = reinterpret_cast<T*>(sm + kStages * kStageBytes);  // state hi/lo (v, d)
-  T* sSl = sSh + kDK * VT;
-  T* sUh = sSh;              // U hi/lo (v, tok), same bytes as the state images
-  T* sUl = sUh + kC * VT;
-  T* sXh = sUl + kC * VT;   // diag(e^(Gamma-gamma)) U hi/lo (v, tok)
-  T* sXl = sXh + kC * VT;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBarOff);
-  uint64_t* empty = full + kStages;
-
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const RecTile tile = rec_tile<VT>(p);
-  const int vt = tile.vt, n = tile.n, hv = tile.hv;
-#ifdef QLA_SM90_TEST_HOOKS
-  const int prec = p.prec;
-#else
-  const int prec = kPrecDefault;  // compile-time: no branches around the wgmma batches
-#endif
-  const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
-  const int nch = tile.nch, ci0 = tile.ci0;
-  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
-    fill_nan_outputs<T>(p);
-    return;
-  }
-  if (!tile.live) return;
-
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 128);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == 4) {  // producer
-    if ((tid & 31) == 0) produce_chunks<VT>(p, sm, full, empty, n, hv, vt, b, t0, nch, ci0);
-    return;
-  }
-
-  // ---- math warpgroup ----
-  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::K, GMMA::Major::MN>());
-  auto mmaS = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<VT>, _16>, GMMA::Major::MN, GMMA::Major::MN>());
-  auto thrU = mmaU.get_thread_slice(tid);
-  auto thrS = mmaS.get_thread_slice(tid);
-  Tensor tSh = make_tensor(make_smem_ptr(sSh), typename RL::VD_MN{});    // (v, d)
-  Tensor tUh = make_tensor(make_smem_ptr(sUh), typename RL::VTok_MN{});  // (v, tok)
-  Tensor accS = partition_fragment_C(mmaS, Shape<_128, Int<VT>>{});      // (d, v) fp32 state
-  Tensor accU = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
-  Tensor accO = partition_fragment_C(mmaU, Shape<_64, Int<VT>>{});
-  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_128, Int<VT>>{}));
-  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, Int<VT>>{}));
-  Tensor rSh = thrU.partition_fragment_B(tSh);
-  Tensor rSl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sSl), typename RL::VD_MN{}));
-  Tensor rUh = thrU.partition_fragment_B(tUh);
-  Tensor rUl = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sUl), typename RL::VTok_MN{}));
-  Tensor rXh = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXh), typename RL::VTok_MN{}));
-  Tensor rXl = thrS.partition_fragment_B(make_tensor(make_smem_ptr(sXl), typename RL::VTok_MN{}));
-
-  // State tile -> hi/lo 16-bit copies. Elements 2i, 2i+1 are columns v, v+1 (adjacent in the
-  // MN-major (v, .) layouts), so they are written as one 4-byte pair; hi/lo share offsets.
-  auto store_state = [&]() {
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); i += 2) {
-      __align__(4) T h[2], l[2];
-      split2(accS(i), h[0], l[0]);
-      split2(accS(i + 1), h[1], l[1]);
-      const int off = static_cast<int>(&tSh(get<1>(cS(i)), get<0>(cS(i))) - sSh);
-      *reinterpret_cast<uint32_t*>(sSh + off) = *reinterpret_cast<uint32_t*>(h);
-      *reinterpret_cast<uint32_t*>(sSl + off) = *reinterpret_cast<uint32_t*>(l);
-    }
-    fence_async_smem();
-    math_bar();
-  };
-
-  const int v0 = vt * VT;
-  load_initial_state(p, n, hv, v0, accS, cS);
-  store_state();
-
-  T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + v0;
-  for (int c = 0; c < nch; ++c) {
-    const int st = c % kStages;
-    uint8_t* stb = sm + st * kStageBytes;
-    T* base = reinterpret_cast<T*>(stb);
-    const float* sU = reinterpret_cast<const float*>(stb + Cfg::kStU);  // [V/32][tok][32]
-    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);  // gq | gk | e^Gamma
-    mbar_wait(&full[st], (c / kStages) & 1);
-    T* sQ = reinterpret_cast<T*>(stb + Cfg::kStQ);
-    T* sK = reinterpret_cast<T*>(stb + Cfg::kStK);
-    Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffWh), typename L::TokD_K{}));
-    Tensor rQ = thrU.partition_fragment_A(make_tensor(make_smem_ptr(sQ), typename L::TokD_K{}));
-    Tensor rAh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAh), typename L::TokTok_K{}));
-    Tensor rAl = thrU.partition_fragment_A(make_tensor(make_smem_ptr(base + kOffAl), typename L::TokTok_K{}));
-    Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
-
-    // Batch 1: accU = w S (w_hi S_hi [+ w_hi S_lo]), accO = Q S_hi [+ Q S_lo].
-    warpgroup_fence_operand(accU);
-    warpgroup_fence_operand(accO);
-    warpgroup_arrive();
-    gemm_k(mmaU, rWh, rSh, accU, GMMA::ScaleOut::Zero);
-    if (prec & kPrecSlo) {
-      gemm_k(mmaU, rWh, rSl, accU, GMMA::ScaleOut::One);
-    }
-    gemm_k(mmaU, rQ, rSh, accO, GMMA::ScaleOut::Zero);
-    if (prec & kPrecSlo) {
-      gemm_k(mmaU, rQ, rSl, accO, GMMA::ScaleOut::One);
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accU);
-    warpgroup_fence_operand(accO);
-    math_bar();  // every warp is done reading S hi/lo: U, X overwrite those bytes
-
-    // U = u - w S (fp32), stored as hi/lo and gated hi/lo; O rows scaled by scale e^gamma.
-    CUTE_UNROLL
-    for (int i = 0; i < size(accU); i += 2) {
-      const int r = get<0>(cU(i)), v = get<1>(cU(i));
-      const float2 u2 = *reinterpret_cast<const float2*>(sU + (v / kUT) * (kC * kUT) + u_index(r, v % kUT));
-      const float gq = sG[r], gk = sG[kC + r];
-      const float x0 = u2.x - accU(i), x1 = u2.y - accU(i + 1);
-      __align__(4) T uh[2], ul[2], xh[2], xl[2];
-      split2(x0, uh[0], ul[0]);
-      split2(x1, uh[1], ul[1]);
-      split2(gk * x0, xh[0], xl[0]);
-      split2(gk * x1, xh[1], xl[1]);
-      const int off = static_cast<int>(&tUh(v, r) - sUh);
-      *reinterpret_cast<uint32_t*>(sUh + off) = *reinterpret_cast<uint32_t*>(uh);
-      *reinterpret_cast<uint32_t*>(sUl + off) = *reinterpret_cast<uint32_t*>(ul);
-      *reinterpret_cast<uint32_t*>(sXh + off) = *reinterpret_cast<uint32_t*>(xh);
-      *reinterpret_cast<uint32_t*>(sXl + off) = *reinterpret_cast<uint32_t*>(xl);
-      accO(i) *= gq;
-      accO(i + 1) *= gq;
-    }
-    const float eG = sG[2 * kC];
-    fence_async_smem();
-    math_bar();
-
-    // Batch 2: O += A U (A_hi U_hi [+ A_hi U_lo] [+ A_lo U_hi]); S = e^Gamma S + K^T X (X_hi [+ X_lo]).
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) *= eG;
-    warpgroup_fence_operand(accO);
-    warpgroup_fence_operand(accS);
-    warpgroup_arrive();
-    gemm_k(mmaU, rAh, rUh, accO, GMMA::ScaleOut::One);
-    if (prec & kPrecUlo) {
-      gemm_k(mmaU, rAh, rUl, accO, GMMA::ScaleOut::One);
-    }
-    if (prec & kPrecAlo) {
-      gemm_k(mmaU, rAl, rUh, accO, GMMA::ScaleOut::One);
-    }
-    gemm_k(mmaS, rKt, rXh, accS, GMMA::ScaleOut::One);
-    if (prec & kPrecXlo) {
-      gemm_k(mmaS, rKt, rXl, accS, GMMA::ScaleOut::One);
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accO);
-    warpgroup_fence_operand(accS);
-    mbar_arrive(&empty[st]);  // stage fully consumed (all wgmma reading it are done)
-    math_bar();               // every warp is done reading U, X: the state images overwrite them
-
-    // O (rows past the sequence end are not written: they belong to the next sequence).
-    const int rows = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c) * kC));
-    CUTE_UNROLL
-    for (int i = 0; i < size(accO); i += 2) {
-      const int r = get<0>(cU(i)), v = get<1>(cU(i));
-      if (r < rows) {
-        __align__(4) T pr[2] = {T(accO(i)), T(accO(i + 1))};
-        *reinterpret_cast<uint32_t*>(ob + (t0 + static_cast<int64_t>(c) * kC + r) * p.so[1] + v) =
-            *reinterpret_cast<uint32_t*>(pr);
-      }
-    }
-    // New state copies for the next chunk.
-    store_state();
-  }
-
-  store_final_state(p, n, hv, v0, accS, cS);
-}
-
 // ---------------------------------------------------------------------------------------------
 // 3b. Warp-specialized recurrence (V tile 32): the state chain and the output run on two math
 //     warpgroups, so the products that only feed O (Q S, A U) leave the sequential path.
 //     warps 0-3 (state WG):  U = u - w S, X = diag(e^(Gamma-gamma)) U, S = e^Gamma S + K^T X
 //     warps 4-7 (output WG): O = diag(scale e^gamma) Q S + A U, stored to o
-//     warp 8 (producer):     as in gdn_recur.
+//     warp 8 (producer):     produce_chunks.
 //   S_c (the state entering chunk c) and U_c live in double buffers (parity c % 2). The state WG
 //   arrives on `uready[c%2]` once S_c and U_c are written; the output WG arrives on `ofree[c%2]`
 //   once its products have read them. Before writing S_{c+1} (parity of c-1) the state WG waits

@@ -4,13 +4,12 @@
 //   CUTE=$(python3 -c "import cutlass_library,os;print(os.path.join(os.path.dirname(cutlass_library.__file__),'source','include'))")
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr [-DQLA_SM90_TEST_HOOKS] \
 //        -Iinclude -I$CUTE src/sm90/gdn_fwd_sm90.cu tests/cuda/sm90_forward_test.cu -o sm90_forward_test
-// (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench] [--prec-sweep]
+// (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench]
 // [--inverse] [--inverse-bench] [--profile ROW]. --inverse (hooks only) checks the fused forward's
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
 // beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
-// with the hooks it also times table + prep alone. --prec-sweep (hooks only) runs every case and
-// row with both recurrence V tiles and two reduced precision settings. --profile runs one
-// forward of a bench row and nothing else (for ncu).
+// with the hooks it also times table + prep alone. --profile runs one forward of a bench row and
+// nothing else (for ncu).
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,13 +27,10 @@
 
 #include "../../src/backends.h"
 
-// Test hook, compiled into gdn_fwd_sm90.cu with -DQLA_SM90_TEST_HOOKS (tests/cuda/run_sm90_device.sh):
-// which hi/lo correction products the recurrence adds (-1: the library default).
+// Test hooks, compiled into gdn_fwd_sm90.cu with -DQLA_SM90_TEST_HOOKS (tests/cuda/run_sm90_device.sh).
 #ifdef QLA_SM90_TEST_HOOKS
 namespace qla { namespace sm90 {
-void set_test_precision(int bits);
 void set_test_stages(int bits);
-void set_test_vt(int vt);
 void set_test_overlap(int on);
 int set_test_fused(int mode);  // returns the previous mode
 size_t test_inverse_region_bytes();
@@ -530,20 +526,13 @@ static double bench(const Case& c, cudaStream_t stream) {
   tprep = median_s(10);
   qla::sm90::set_test_stages(3);
   auto time10 = [&]() { return median_s(10) * 1e6; };  // microseconds
-  // Each recurrence V tile forced (32: warp-specialized kernel, 64: single math warpgroup), then
-  // the overlapped prep forced off / on (default V tile).
-  qla::sm90::set_test_vt(32);
-  const double t32 = time10();
-  qla::sm90::set_test_vt(64);
-  const double t64 = time10();
-  qla::sm90::set_test_vt(0);
+  // The two-pass forward with the overlapped prep forced off / on.
   qla::sm90::set_test_overlap(0);
   const double tov0 = time10();
   qla::sm90::set_test_overlap(1);
   const double tov1 = time10();
   qla::sm90::set_test_overlap(-1);
-  std::printf("bench %-28s V tile 32: %7.1f us, 64: %7.1f | overlapped prep off %7.1f, on %7.1f\n", c.name.c_str(),
-              t32, t64, tov0, tov1);
+  std::printf("bench %-28s two-pass, overlapped prep off %7.1f us, on %7.1f\n", c.name.c_str(), tov0, tov1);
   }
 #endif
   const double tok = double(P.c.T) * P.c.B;
@@ -742,12 +731,11 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 #endif
 
 int main(int argc, char** argv) {
-  bool do_bench = false, do_sweep = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
+  bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
-    if (std::string(argv[i]) == "--prec-sweep") do_sweep = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
     if (std::string(argv[i]) == "--fused") do_fused = true;
     if (std::string(argv[i]) == "--split") do_split = true;
@@ -1015,43 +1003,8 @@ int main(int argc, char** argv) {
     if (do_inverse_bench)
       for (const Case& c : bench_rows()) bench_inverse(c, stream);
   }
-  if (do_sweep) {
-    // Both recurrence V tiles on every case and bench row (the automatic choice takes 32 when
-    // sequences x heads x 4 fit on the SMs), then precision bits of gdn_recur (2 S_lo,
-    // 4 A_lo U_hi, 8 A_hi U_lo, 16 X_lo; 30 = default): worst o / state error over the cases.
-    std::vector<Case> rows = bench_rows();
-    std::vector<std::string> lines;
-    for (int vt : {64, 32}) {
-      qla::sm90::set_test_vt(vt);
-      std::printf("--- V tile %d\n", vt);
-      bool mok = true;
-      g_max_o = g_max_h = 0;
-      for (size_t i = 0; i < cases.size(); ++i) mok = run_case(cases[i], 5678 + i, stream, i == 1) && mok;
-      ok = ok && mok;
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "V tile %d: max o %.2e  max state %.2e  %s", vt, g_max_o, g_max_h, mok ? "ok" : "FAIL");
-      lines.push_back(buf);
-      for (const Case& c : rows) {
-        const double t = bench(c, stream);
-        std::snprintf(buf, sizeof buf, "  V tile %d  %-30s %.3f ms", vt, c.name.c_str(), t * 1e3);
-        lines.push_back(buf);
-      }
-    }
-    qla::sm90::set_test_vt(0);
-    for (int m : {26, 18}) {
-      qla::sm90::set_test_precision(m);
-      g_max_o = g_max_h = 0;
-      bool mok = true;
-      for (size_t i = 0; i < cases.size(); ++i) mok = run_case(cases[i], 9012 + i, stream, false) && mok;
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "bits %2d: max o %.2e  max state %.2e  %s", m, g_max_o, g_max_h, mok ? "ok" : "over 3e-3");
-      lines.push_back(buf);
-    }
-    qla::sm90::set_test_precision(-1);
-    for (auto& l : lines) std::printf("%s\n", l.c_str());
-  }
 #else
-  if (do_sweep || do_inverse) std::printf("--prec-sweep and --inverse(-bench) need a build with -DQLA_SM90_TEST_HOOKS\n");
+  if (do_inverse) std::printf("--inverse(-bench) needs a build with -DQLA_SM90_TEST_HOOKS\n");
 #endif
   CK(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
