@@ -65,6 +65,26 @@ def _round_any(x, how):
     return _round(x, how)
 
 
+def _chunk_parts(q, k, v, g, beta, c0, c1, scale):
+    """One chunk's inputs [HV, n, .], gamma, Gamma, Tu and A in fp32 (unrounded)."""
+    n = c1 - c0
+    Qc, Kc, Vc = (x[c0:c1].transpose(0, 1).float() for x in (q, k, v))  # [HV, n, .]
+    gc, bc = g[c0:c1].t().float(), beta[c0:c1].t().float()              # [HV, n]
+    gam = gc.cumsum(-1)
+    Gam = gam[:, -1:]
+    diff = gam[:, :, None] - gam[:, None, :]
+    lower = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    gate = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()
+    KK = Kc @ Kc.transpose(1, 2)  # bf16 inputs, fp32 accumulation
+    L = bc[:, :, None] * gate * KK
+    Tm = torch.linalg.solve_triangular(torch.eye(n) + L, torch.eye(n).expand(Qc.shape[0], n, n), upper=False,
+                                       unitriangular=True)
+    Tu = Tm * bc[:, None, :]
+    A = scale * torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp() * (Qc @ Kc.transpose(1, 2))
+    return Qc, Kc, Vc, gam, Gam, Tu, A
+
+
 def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
     """The fused kernel's chunk algebra in fp32 with the scheme's operand rounding.
     q, k [T, HV, d] (already repeated over GVA groups), v [T, HV, dv], g, beta [T, HV], h0
@@ -77,21 +97,7 @@ def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
     C = 64
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
-        n = c1 - c0
-        Qc, Kc, Vc = (x[c0:c1].transpose(0, 1).float() for x in (q, k, v))  # [HV, n, .]
-        gc, bc = g[c0:c1].t().float(), beta[c0:c1].t().float()              # [HV, n]
-        gam = gc.cumsum(-1)
-        Gam = gam[:, -1:]
-        diff = gam[:, :, None] - gam[:, None, :]
-        lower = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
-        causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        gate = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()
-        KK = Kc @ Kc.transpose(1, 2)  # bf16 inputs, fp32 accumulation
-        L = bc[:, :, None] * gate * KK
-        Tm = torch.linalg.solve_triangular(torch.eye(n) + L, torch.eye(n).expand(HV, n, n), upper=False,
-                                           unitriangular=True)
-        Tu = Tm * bc[:, None, :]
-        A = scale * torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp() * (Qc @ Kc.transpose(1, 2))
+        Qc, Kc, Vc, gam, Gam, Tu, A = _chunk_parts(q, k, v, g, beta, c0, c1, scale)
         Y = r["K"](Kc) @ r["S"](S)
         Z = Vc - gam.exp()[:, :, None] * Y
         U = r["Tu"](Tu) @ r["Z"](Z)
@@ -118,20 +124,8 @@ def emulate_transfer(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
     C = 64
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
-        n = c1 - c0
-        Qc, Kc, Vc = (x[c0:c1].transpose(0, 1).float() for x in (q, k, v))
-        gc, bc = g[c0:c1].t().float(), beta[c0:c1].t().float()
-        gam = gc.cumsum(-1)
-        Gam = gam[:, -1:]
-        diff = gam[:, :, None] - gam[:, None, :]
-        lower = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
-        causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        gate = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()
-        L = bc[:, :, None] * gate * (Kc @ Kc.transpose(1, 2))
-        Tm = torch.linalg.solve_triangular(torch.eye(n) + L, torch.eye(n).expand(HV, n, n), upper=False,
-                                           unitriangular=True)
-        Tu = r(Tm * bc[:, None, :])
-        A = r(scale * torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp() * (Qc @ Kc.transpose(1, 2)))
+        Qc, Kc, Vc, gam, Gam, Tu, A = _chunk_parts(q, k, v, g, beta, c0, c1, scale)
+        Tu, A = r(Tu), r(A)
         W = r(A @ Tu)
         d1, d2 = gam.exp()[:, :, None], (Gam - gam).exp()[:, :, None]
         Kr, Qr, Vr = r(Kc), r(Qc), r(Vc)
