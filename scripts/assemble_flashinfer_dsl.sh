@@ -25,5 +25,10 @@ grep ' fi07.tar.xz$' "$parts/MANIFEST" | sed 's|fi07.tar.xz|/tmp/fi07.tar.xz|' |
 rm -rf "$site" && mkdir -p "$site"
 tar -xJf /tmp/fi07.tar.xz -C "$site"
 rm -f /tmp/fi07.tar.xz
+# flashinfer.gdn_prefill imports tvm_ffi, which the packed tree lacks: carry .whl/apache_tvm_ffi
+# with the last part.
+tvm=$(ls .whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$tvm" ]; then python3 -m pip install -q --no-index --no-deps --target "$site" "$tvm"; else
+  echo "warning: no .whl/apache_tvm_ffi-*.whl carried: import flashinfer.gdn_prefill will fail"; fi
 touch "$site/.complete"
 echo "FlashInfer tree ready in $site ($(du -sh "$site" | cut -f1))"

@@ -12,7 +12,8 @@
 # which some FlashInfer modules import. The tree is packed with xz (78 MB) and split in two.
 #
 # On the device, each call carries one part (carry [".fi07/part_00", ".fi07/MANIFEST"], then
-# [".fi07/part_01", ".fi07/MANIFEST", "dist"] on the still warm machine) and runs
+# [".fi07/part_01", ".fi07/MANIFEST", "dist", ".whl/apache_tvm_ffi-0.1.12-cp312-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"]
+# on the still warm machine) and runs
 #   bash scripts/assemble_flashinfer_dsl.sh && export PYTHONPATH=/tmp/site_fi07:/tmp/site_fi07/nvidia_cutlass_dsl/dsl_packages
 # which keeps the parts under /tmp and unpacks once all are there (bench/PEERS.md).
 set -euo pipefail
