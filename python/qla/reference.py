@@ -135,8 +135,10 @@ def split_backward(q, k, v, g, beta, do, dht=None, scale: Optional[float] = None
     return cat(0), cat(1), cat(2), cat(3), cat(4), grads[0][5]
 
 
-def chunked(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, chunk: int = 64):
-    """The chunked (WY/UT) form with C = ``chunk``; same signature and result as ``recurrent``."""
+def chunked(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, chunk: int = 64,
+            transfer: bool = False):
+    """The chunked (WY/UT) form with C = ``chunk``; same signature and result as ``recurrent``.
+    ``transfer=True``: the same algebra in transfer form, one product with the state per chunk."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     G = HV // H
@@ -170,10 +172,22 @@ def chunked(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
     kg = kc * (gamma[..., -1:] - gamma).exp()[..., None]
     S = initial_state if initial_state is not None else q.new_zeros(B, HV, K, V)
     outs = []
-    for c in range(NC):
-        U = u[:, :, c] - w[:, :, c] @ S
-        outs.append(scale * (qg[:, :, c] @ S + P[:, :, c] @ U))
-        S = gamma[:, :, c, -1, None, None].exp() * S + kg[:, :, c].transpose(-1, -2) @ U
+    if transfer:
+        # The transfer form (docs/fused.md section 7): U = u - w S substituted, so that the state
+        # enters each chunk through one product, [M; G] S, whose factors (like B and H) do not
+        # depend on the state: S' = e^Gamma S - M S + B, O = G S + H.
+        M = kg.transpose(-1, -2) @ w                # [B, HV, NC, K, K]
+        Bm = kg.transpose(-1, -2) @ u               # [B, HV, NC, K, V]
+        Gm = scale * (qg - P @ w)                   # [B, HV, NC, C, K]
+        Hm = scale * (P @ u)                        # [B, HV, NC, C, V]
+        for c in range(NC):
+            outs.append(Gm[:, :, c] @ S + Hm[:, :, c])
+            S = gamma[:, :, c, -1, None, None].exp() * S - M[:, :, c] @ S + Bm[:, :, c]
+    else:
+        for c in range(NC):
+            U = u[:, :, c] - w[:, :, c] @ S
+            outs.append(scale * (qg[:, :, c] @ S + P[:, :, c] @ U))
+            S = gamma[:, :, c, -1, None, None].exp() * S + kg[:, :, c].transpose(-1, -2) @ U
     o = torch.stack(outs, 2).reshape(B, HV, NC * C, V)[:, :, :T].permute(0, 2, 1, 3)
     return o, S
 
