@@ -173,6 +173,31 @@ def inverse_blockwise(L: torch.Tensor, products: str) -> torch.Tensor:
     return T
 
 
+def inverse_doubling_fp16(L: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 of strictly lower [.., 64, 64] L by recursive doubling with fp16 block
+    products (a peer's method, docs/fused.md section 8): the 8 x 8 diagonal blocks exact in fp32,
+    then at 16, 32 and 64 the lower-left block of [[A, 0], [C, D]]^-1 as -D^-1 (C A^-1), every
+    product on fp16-rounded operands with fp32 accumulation and its result kept in fp16."""
+    h = lambda x: x.half().float()
+    n = L.shape[-1]
+    M = torch.eye(n) + L
+    T = torch.zeros_like(L)
+    for a in range(0, n, 8):  # level 1: exact 8 x 8 inverses
+        blk = M[..., a:a + 8, a:a + 8]
+        T[..., a:a + 8, a:a + 8] = torch.linalg.solve_triangular(blk, torch.eye(8).expand_as(blk), upper=False,
+                                                                 unitriangular=True)
+    T = h(T)
+    b = 8
+    while b < n:
+        for a in range(0, n, 2 * b):
+            Ai = T[..., a:a + b, a:a + b]
+            Di = T[..., a + b:a + 2 * b, a + b:a + 2 * b]
+            C = M[..., a + b:a + 2 * b, a:a + b]
+            T[..., a + b:a + 2 * b, a:a + b] = h(-(Di @ h(h(C) @ Ai)))
+        b *= 2
+    return T
+
+
 def inverse_study(cases) -> None:
     """Tu = (I + L)^-1 diag(beta) of every chunk of the cases, against fp64: the fp32 block
     products of today's kernels and tf32 ones (a tensor-core phase 2), each before and after
@@ -180,7 +205,8 @@ def inverse_study(cases) -> None:
     print("| chunk inverse | " + " | ".join(c[0] for c in cases) + " |")
     print("|---|" + "---|" * len(cases))
     rows = {k: [] for k in ("fp32 block products", "tf32 block products",
-                            "fp32 block products, fp16 image", "tf32 block products, fp16 image")}
+                            "fp32 block products, fp16 image", "tf32 block products, fp16 image",
+                            "fp16 doubling from 8 x 8 blocks (a peer's), fp16 image")}
     for label, T, gate, seed in cases:
         q, k, v, g, beta, h0 = make_case(min(T, 4096), 2, gate, seed)
         n = (k.shape[0] // 64) * 64
@@ -197,6 +223,8 @@ def inverse_study(cases) -> None:
             Tu = inverse_blockwise(L, prod) * b[..., None, :]
             rows[f"{name} block products"].append(rel(Tu, exact))
             rows[f"{name} block products, fp16 image"].append(rel(Tu.half().float(), exact))
+        Tu = inverse_doubling_fp16(L) * b[..., None, :]
+        rows["fp16 doubling from 8 x 8 blocks (a peer's), fp16 image"].append(rel(Tu.half().float(), exact))
     for name, errs in rows.items():
         print(f"| {name} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
