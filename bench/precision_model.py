@@ -85,11 +85,11 @@ def _chunk_parts(q, k, v, g, beta, c0, c1, scale):
     return Qc, Kc, Vc, gam, Gam, Tu, A
 
 
-def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
-    """The fused kernel's chunk algebra in fp32 with the scheme's operand rounding.
-    q, k [T, HV, d] (already repeated over GVA groups), v [T, HV, dv], g, beta [T, HV], h0
-    [HV, d, dv]; one sequence. Returns (o [T, HV, dv] rounded to out_dtype, final state)."""
-    r = {o: (lambda x, how=scheme.get(o, "bf16"): _round_any(x, how)) for o in OPERANDS}
+def _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step):
+    """The chunk loop both emulations share: q, k [T, HV, d] (already repeated over GVA groups),
+    v [T, HV, dv], g, beta [T, HV], h0 [HV, d, dv]; one sequence. step(parts, S) -> (O of the
+    chunk [HV, n, dv], S'), parts = _chunk_parts(...) + (scale,). Returns (o [T, HV, dv] rounded
+    to out_dtype, final state)."""
     T, HV, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     S = h0.float().clone()
@@ -97,15 +97,26 @@ def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
     C = 64
     for c0 in range(0, T, C):
         c1 = min(T, c0 + C)
-        Qc, Kc, Vc, gam, Gam, Tu, A = _chunk_parts(q, k, v, g, beta, c0, c1, scale)
+        Oc, S = step(_chunk_parts(q, k, v, g, beta, c0, c1, scale) + (scale,), S)
+        o[c0:c1] = Oc.transpose(0, 1)
+    return o.to(out_dtype).float(), S
+
+
+def emulate(q, k, v, g, beta, h0, scheme, scale=None, out_dtype=torch.bfloat16):
+    """The fused kernel's chunk algebra in fp32 with the scheme's operand rounding (shapes as in
+    _run_chunks)."""
+    r = {o: (lambda x, how=scheme.get(o, "bf16"): _round_any(x, how)) for o in OPERANDS}
+
+    def step(parts, S):
+        Qc, Kc, Vc, gam, Gam, Tu, A, scale = parts
         Y = r["K"](Kc) @ r["S"](S)
         Z = Vc - gam.exp()[:, :, None] * Y
         U = r["Tu"](Tu) @ r["Z"](Z)
         Oc = (scale * gam.exp())[:, :, None] * (r["Q"](Qc) @ r["S"](S)) + r["A"](A) @ r["U"](U)
         X = (Gam - gam).exp()[:, :, None] * U
-        S = Gam.exp()[:, :, None] * S + r["K"](Kc).transpose(1, 2) @ r["X"](X)
-        o[c0:c1] = Oc.transpose(0, 1)
-    return o.to(out_dtype).float(), S
+        return Oc, Gam.exp()[:, :, None] * S + r["K"](Kc).transpose(1, 2) @ r["X"](X)
+
+    return _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step)
 
 
 def emulate_transfer(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=torch.bfloat16):
@@ -117,14 +128,9 @@ def emulate_transfer(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
     chunk-parallel product takes `how`-rounded operands (its intermediates rounded again before
     the next product, as a kernel would stage them), fp32 accumulation; e^Gamma S stays fp32."""
     r = lambda x: _round_any(x, how)
-    T, HV, d = q.shape
-    scale = d ** -0.5 if scale is None else scale
-    S = h0.float().clone()
-    o = torch.empty(T, HV, v.shape[-1])
-    C = 64
-    for c0 in range(0, T, C):
-        c1 = min(T, c0 + C)
-        Qc, Kc, Vc, gam, Gam, Tu, A = _chunk_parts(q, k, v, g, beta, c0, c1, scale)
+
+    def step(parts, S):
+        Qc, Kc, Vc, gam, Gam, Tu, A, scale = parts
         Tu, A = r(Tu), r(A)
         W = r(A @ Tu)
         d1, d2 = gam.exp()[:, :, None], (Gam - gam).exp()[:, :, None]
@@ -136,10 +142,9 @@ def emulate_transfer(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
         G = r((scale * d1) * Qr - W @ (d1 * Kr))  # [n, d]
         H = W @ Vr                                # [n, dv], fp32
         S16 = r(S)
-        Oc = G @ S16 + H
-        S = Gam.exp()[:, :, None] * S - M @ S16 + B
-        o[c0:c1] = Oc.transpose(0, 1)
-    return o.to(out_dtype).float(), S
+        return G @ S16 + H, Gam.exp()[:, :, None] * S - M @ S16 + B
+
+    return _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
