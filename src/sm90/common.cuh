@@ -183,6 +183,46 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(addr));
   return r;
 }
+// Warp-level fragments of 16 x 16 fp16 blocks for mma.sync.m16n8k16 (lane l: g = l / 4,
+// t = l % 4). A 16 x 16 fp32 block as two m16n8 accumulators, c[8]: c[0..3] the columns 0-7
+// ((g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)), c[4..7] the columns 8-15; the same order
+// as a 16-column block of a warp's rows in a wgmma accumulator. An A operand, a[4]: the same
+// pairs packed (rows g and g + 8, columns 2t and 2t + 8). A B operand, b[4]: (b[0], b[1]) the
+// 16 x 8 half of columns 0-7, (b[2], b[3]) of columns 8-15.
+// Row-major 16 x 16 fp16 blocks in shared memory move by ldmatrix / stmatrix with lane l
+// addressing row (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16) (block_lane_addr).
+__device__ __forceinline__ uint32_t block_lane_addr(uint32_t base, int pitch_bytes, int lane) {
+  return base + ((lane & 7) + 8 * ((lane >> 3) & 1)) * pitch_bytes + 16 * (lane >> 4);
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {  // A operand of a row-major block
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {  // B operand of a row-major block
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void stmatrix4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// An 8 x 8 block of 16-bit pairs transposed in registers.
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+// acc += a b over a 16 x 16 block (two m16n8k16 products, fp16 operands, fp32 accumulation).
+__device__ __forceinline__ void block_mma_f16(float (&acc)[8], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  CUTE_UNROLL
+  for (int nt = 0; nt < 2; ++nt)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[4 * nt]), "+f"(acc[4 * nt + 1]), "+f"(acc[4 * nt + 2]), "+f"(acc[4 * nt + 3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * nt]), "r"(b[2 * nt + 1]));
+}
+
 // Generic-proxy smem writes must be made visible to wgmma (async proxy) before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Programmatic dependent launch (launch_kernel, gdn_fwd_sm90.cu): a kernel launched so

@@ -121,11 +121,6 @@ __device__ __forceinline__ void load_vt_pairs(const T* sV, int wt, uint32_t (&vp
   }
 }
 
-__device__ __forceinline__ void stmatrix4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
-               "r"(r2), "r"(r3)
-               : "memory");
-}
 // Four 8 x 8 blocks of 16-bit pairs stored transposed (rows of the memory image = columns of the
 // fragment): the O^T (v, tok) accumulator pairs become rows of o's (tok, v) layout.
 __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {

@@ -42,23 +42,25 @@ static_assert(kInvRegionTail <= kInvRegionBytes && kInvRegionBytes <= 16384, "in
 
 // Shared memory of one warpgroup (byte offsets from its 1 KiB aligned slice): the item's K tile
 // (TMA; the next item's tile is loaded into it as soon as this item's K K^T has retired, so it
-// lands while the item's regions are inverted); L and Tm fp32 [64][kLd] (phase 2's scratch in
-// L's upper blocks; once the inverse is done, L's bytes take the region's Tu image for its bulk
-// store, whose read the next region waits for before it writes L); gamma, beta; the TMA
-// mbarrier; the key and query exponents (int32 x 64 each) and two warps' reductions. One K
-// stage instead of two, and the image in L, fit four warpgroups per SM instead of three: each
-// region is a chain of barriers, substitution and block products, and a third more of them in
-// flight made the kernel 5-19% faster (fused-17 in docs/design.md).
-constexpr uint32_t kInvK = 0, kInvL = 16384;
-constexpr uint32_t kInvT = kInvL + kC * kLd * 4;
-constexpr uint32_t kInvMisc = kInvT + kC * kLd * 4;
+// lands while the item's regions are inverted); the region's Tu image (staging for its bulk
+// store, whose read the next region waits for before it writes the image); the inverse's fp16
+// blocks (row-major [64][kInvTh]: the diagonal inverses D_a, T_10, and the products P_20, P_21
+// in the unused blocks (0, 2), (0, 3)); each warp's fp32 16 x 16 diagonal block (L'_aa in, D_a
+// out, row pitch kInvDp); gamma, beta, the TMA mbarrier; the key and query exponents (int32 x
+// 64 each), two warps' reductions and the image's column factors beta_j 2^-ek_j.
+constexpr int kInvTh = 72;  // fp16 row pitch: 144-byte rows, so that ldmatrix / stmatrix rows hit distinct banks
+constexpr int kInvDp = 20;  // fp32 row pitch of a diagonal block (16-byte rows for the substitution's loads)
+constexpr uint32_t kInvK = 0, kInvImgS = 16384;
+constexpr uint32_t kInvTb = kInvImgS + kImgTokTok * 2;
+constexpr uint32_t kInvD = kInvTb + kC * kInvTh * 2;
+constexpr uint32_t kInvMisc = kInvD + 4 * 16 * kInvDp * 4;
 constexpr uint32_t kInvSKexp = kInvMisc + 2 * kC * 4 + 16, kInvSQexp = kInvSKexp + kC * 4;
-constexpr uint32_t kInvRed = kInvSQexp + kC * 4;
-constexpr uint32_t kInvWGBytes = (kInvRed + 16 + 1023) & ~1023u;
-constexpr int kInvWarpgroups = 4;  // per CTA, independent (own slice, named barrier, mbarrier)
+constexpr uint32_t kInvRed = kInvSQexp + kC * 4, kInvBc = kInvRed + 16;
+constexpr uint32_t kInvWGBytes = (kInvBc + kC * 4 + 1023) & ~1023u;
+constexpr int kInvWarpgroups = 4;  // per CTA, independent (own slice, named barriers, mbarrier)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
 static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
-static_assert(kInvL % 1024 == 0 && kImgTokTok * 2 <= kC * kLd * 4, "the Tu image (128-byte swizzle) lives in L's bytes");
+static_assert(kInvImgS % 1024 == 0, "the Tu image (128-byte swizzle) needs 1 KiB alignment");
 
 // A region's place, found when its loads are issued and kept for its compute: the chunk's
 // tokens, and this thread's token's g and beta (tid < 64), whose loads are then in flight
@@ -109,8 +111,6 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   using L = Lay<T>;
   using H = Lay<cutlass::half_t>;
   T* sK = reinterpret_cast<T*>(sKb);
-  float* sL = reinterpret_cast<float*>(sm + kInvL);
-  float* sT = reinterpret_cast<float*>(sm + kInvT);
   float* sGam = reinterpret_cast<float*>(sm + kInvMisc);
   float* sBeta = sGam + kC;
   const int warp = tid >> 5, lane = tid & 31;
@@ -164,7 +164,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
         sQexp[(tid >> 4) + 8 * j] = x[j] > 0.f ? max(-30, min(30, -(float_exponent(2.f * x[j]) >> 1))) : 0;
   }
   uint32_t* sRed = reinterpret_cast<uint32_t*>(sm + kInvRed);
-  if (tid == 0) bulk_wait_read();  // the previous region's image store has read L's bytes (ordered by the barrier below)
+  float* sBc = reinterpret_cast<float*>(sm + kInvBc);
   if (tid < kC) {
     sGam[tid] = warp_inclusive_sum(q.g);
     sBeta[tid] = q.beta;
@@ -184,12 +184,17 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     reinterpret_cast<float*>(regb + kInvEG)[0] = expf(gam_last);
   }
 
-  auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
-  auto thr = mma.get_thread_slice(tid);
+  // Thread (warp, g, t) holds, in a 64 x 64 wgmma accumulator, rows 16 warp + g and + 8 of
+  // columns 16 b + 2t, + 1, + 8, + 9 at elements 8 b .. 8 b + 7: the order of a 16 x 16
+  // mma.sync block (block_mma_f16).
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int r0 = 16 * warp + g8, r1 = r0 + 8;
   if (first) {
-    Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
     mbar_wait(bar, phase);
     if (!(p.skip & 4)) {
+      auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+      auto thr = mma.get_thread_slice(tid);
+      Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
       Tensor rKa = thr.partition_fragment_A(tK);
       Tensor rKb = thr.partition_fragment_B(tK);
       warpgroup_fence_operand(kk);
@@ -198,46 +203,76 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(kk);
-    }
-  }
-  if (!(p.skip & 4)) {
-    // L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j), the gate as a clamped difference.
-    // Warp w holds rows 16 w .. 16 w + 15, and accumulator element e lies in column block e / 8
-    // (the accumulator's column groups of 8 are e / 4): the blocks left of the diagonal need no
-    // mask, the diagonal block is masked and holds |k_r|^2, and the blocks right of it are not
-    // written at all (nothing reads L's upper blocks before phase 2 writes its scratch there).
-    // The branches are uniform per warp.
-    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-    CUTE_UNROLL
-    for (int cb = 0; cb < 4; ++cb) {
-      if (cb > warp) continue;
-      CUTE_UNROLL
-      for (int i = 8 * cb; i < 8 * cb + 8; i += 2) {
-        const int r = get<0>(cc(i)), c = get<1>(cc(i));
-        const float gr = sGam[r], br = sBeta[r];
-        const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
-        const float x0 = exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e), x1 = exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e);
-        float2 l = make_float2(br * x0 * kk(i), br * x1 * kk(i + 1));
-        if (cb == warp) {
-          l.x = r > c ? l.x : 0.f;
-          l.y = r > c + 1 ? l.y : 0.f;
-          // The diagonal's |k_r|^2: ek_r = -round(log2 |k_r|) = -floor(E / 2), E = the exponent of 2 |k_r|^2.
-          if (r == c || r == c + 1) {
-            const float k2 = r == c ? kk(i) : kk(i + 1);
-            sKexp[r] = r < len && k2 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k2) >> 1))) : 0;
-          }
+      // ek_r = -round(log2 |k_r|) = -floor(E / 2), E the exponent of 2 |k_r|^2, from the diagonal
+      // (r, r): element 8 warp + (g % 2) of thread t = g / 2 for row r0, + 6 for row r1.
+      if (t4 == (g8 >> 1)) {
+        float k0 = 0.f, k1 = 0.f;  // (selects: a register array takes constant indices only)
+        CUTE_UNROLL
+        for (int b = 0; b < 4; ++b) {
+          k0 = b == warp ? ((g8 & 1) ? kk(8 * b + 1) : kk(8 * b)) : k0;
+          k1 = b == warp ? ((g8 & 1) ? kk(8 * b + 7) : kk(8 * b + 6)) : k1;
         }
-        *reinterpret_cast<float2*>(sL + r * kLd + c) = l;
+        sKexp[r0] = r0 < len && k0 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k0) >> 1))) : 0;
+        sKexp[r1] = r1 < len && k1 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k1) >> 1))) : 0;
+      }
+    } else if (tid < kC) {
+      sKexp[tid] = 0;
+    }
+    wg_bar(barid);  // the key exponents complete; every warp's K K^T has retired, so K's bytes are free
+    if (load_next) inverse_load_k(p, sKb, bar, tid, next_item);
+  }
+
+  // L' = diag(2^-ek) L diag(2^ek), L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j): since
+  // 2^-ek_i ~ |k_i|, L'_ij ~ beta_i |k_i|^2 (k_i.k_j / |k_i| |k_j|) e^(gamma_i - gamma_j), as
+  // L for unit keys, so fp16 holds it and the inverse's blocks for any key norm:
+  // T' = (I + L')^-1 = diag(2^-ek) (I + L)^-1 diag(2^ek). The gate is a
+  // clamped difference and the two exponents join it inside one ex2. The warp's blocks left of
+  // its diagonal become fp16 A operands (la), the diagonal block goes to its fp32 scratch for
+  // the substitution, the blocks right of it are not needed.
+  float* sD = reinterpret_cast<float*>(sm + kInvD) + warp * 16 * kInvDp;
+  uint32_t la[3][4];
+  {
+    const float gl0 = sGam[r0] * kLog2e, gl1 = sGam[r1] * kLog2e;
+    const float br0 = sBeta[r0], br1 = sBeta[r1];
+    const float e0 = static_cast<float>(sKexp[r0]), e1 = static_cast<float>(sKexp[r1]);
+    CUTE_UNROLL
+    for (int b = 0; b < 4; ++b) {
+      if (b > warp) continue;
+      float l[8];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {  // columns 16 b + 8 h + 2 t, + 1
+        const int c = 16 * b + 8 * h + 2 * t4;
+        const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
+        const int2 ec = *reinterpret_cast<const int2*>(sKexp + c);
+        const float gcl[2] = {gc.x * kLog2e, gc.y * kLog2e}, ecf[2] = {static_cast<float>(ec.x), static_cast<float>(ec.y)};
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          l[4 * h + e] = br0 * exp2_approx(fminf(gl0 - gcl[e], 0.f) + (ecf[e] - e0)) * kk(8 * b + 4 * h + e);
+          l[4 * h + 2 + e] = br1 * exp2_approx(fminf(gl1 - gcl[e], 0.f) + (ecf[e] - e1)) * kk(8 * b + 4 * h + 2 + e);
+        }
+      }
+      if (p.skip & 4) {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) l[e] = 0.f;
+      }
+      if (b < warp) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) la[b < 3 ? b : 0][e] = pack2<cutlass::half_t>(l[2 * e], l[2 * e + 1]);
+      } else {  // the diagonal block: strictly lower part
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int c = 8 * h + 2 * t4;
+          *reinterpret_cast<float2*>(sD + g8 * kInvDp + c) =
+              make_float2(g8 > c ? l[4 * h] : 0.f, g8 > c + 1 ? l[4 * h + 1] : 0.f);
+          *reinterpret_cast<float2*>(sD + (g8 + 8) * kInvDp + c) =
+              make_float2(g8 + 8 > c ? l[4 * h + 2] : 0.f, g8 + 8 > c + 1 ? l[4 * h + 3] : 0.f);
+        }
       }
     }
-  } else if (tid < kC) {
-    sKexp[tid] = 0;
   }
-  wg_bar(barid);  // L complete; every warp's K K^T has retired (kk holds it), so K's bytes are free
-  if (load_next) inverse_load_k(p, sKb, bar, tid, next_item);
   if (tid < kC) {
     // The image's exponent et and the norm bound kn: max over tokens of |beta_i| 2^-ek_i and of
-    // -ek_i (two warps, read after the barriers below).
+    // -ek_i (two warps, read after the barrier below); the image's column factors beta_j 2^-ek_j.
     const int e = sKexp[tid];
     const uint32_t bm = __reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(sBeta[tid]) * pow2i(-e)));  // ints: same order
     const int emin = __reduce_min_sync(0xffffffffu, e);
@@ -245,38 +280,152 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       sRed[warp] = bm;
       sRed[2 + warp] = static_cast<uint32_t>(emin + 64);
     }
+    sBc[tid] = sBeta[tid] * pow2i(-e);
   }
-  if (!(p.skip & 2)) {
-    invert_diagonal_blocks(sL, sT, warp, lane);
-    wg_bar(barid);  // phase 2 reads every warp's diagonal inverse
-    if (!(p.skip & 1)) invert_block_columns_tc(sL, sT, warp, lane, barid);
+
+  // The warp's diagonal inverse D_a = (I + L'_aa)^-1 by substitution (fp32), then as an fp32
+  // block (dc, for the image), an fp16 A operand (da) and an fp16 block of Tb (for the others).
+  cutlass::half_t* sTb = reinterpret_cast<cutlass::half_t*>(sm + kInvTb);
+  auto tb_addr = [&](int a, int b) { return block_lane_addr(smem_u32(sTb + 16 * a * kInvTh + 16 * b), kInvTh * 2, lane); };
+  float dc[8];
+  uint32_t da[4];
+  __syncwarp();
+  if (!(p.skip & 2)) invert_diag16(sD, sD, kInvDp, lane);  // in place
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const float2 u = *reinterpret_cast<const float2*>(sD + g8 * kInvDp + 8 * h + 2 * t4);
+    const float2 w = *reinterpret_cast<const float2*>(sD + (g8 + 8) * kInvDp + 8 * h + 2 * t4);
+    dc[4 * h] = u.x; dc[4 * h + 1] = u.y; dc[4 * h + 2] = w.x; dc[4 * h + 3] = w.y;
   }
-  wg_bar(barid);
+  CUTE_UNROLL
+  for (int e = 0; e < 4; ++e) da[e] = pack2<cutlass::half_t>(dc[2 * e], dc[2 * e + 1]);
+  stmatrix4(tb_addr(warp, warp), da[0], da[1], da[2], da[3]);
+  if (tid == 0) bulk_wait_read();  // the previous region's image store has read the staging bytes
+  wg_bar(barid);  // B1: every D_a in Tb; the reductions and column factors complete
+
+  // Block products (docs/fused.md section 8), each warp finishing its own row block of
+  // T' = (I + L')^-1 in registers. With the 32 x 32 halves [D0 0; T10 D1] and [D2 0; T32 D3]:
+  //   warp 1: T10 = -D1 (L10 D0);   warp 3: T32 = -D3 (L32 D2);
+  //   warps 2, 3: P_a1 = L_a1 D1, P_a0 = L_a0 D0 + L_a1 T10 (after T10, barrier B2);
+  //   warp 2: T2b = -D2 P2b;         warp 3: T3b = -(T32 P2b + D3 P3b) (after P2, barrier B3).
+  // Left operands come from the warp's registers (its L' blocks, D_a, T32), right ones from Tb
+  // (ldmatrix.trans) or, for the warp's own products, from its accumulators (movmatrix).
+  const int bar_t10 = barid + kInvWarpgroups, bar_p2 = barid + 2 * kInvWarpgroups;
+  float tc[3][8];  // the row block's off-diagonal blocks T'_{warp, b}, b < warp
+  const bool products = !(p.skip & 3);
+  auto zero8 = [](float (&x)[8]) {
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) x[e] = 0.f;
+  };
+  auto as_b = [](const float (&x)[8], uint32_t (&bf)[4]) {  // the block's transpose as a B operand
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) bf[e] = movmatrix_t(pack2<cutlass::half_t>(x[2 * e], x[2 * e + 1]));
+  };
+  auto neg8 = [](float (&x)[8]) {
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) x[e] = -x[e];
+  };
+  CUTE_UNROLL
+  for (int b = 0; b < 3; ++b) zero8(tc[b]);
+  if (warp == 1 || warp == 3) {
+    // T_{a, a-1} = -D_a (L_{a, a-1} D_{a-1}).
+    // (Register arrays indexed by constants only: the warp picks by selects, not by index.)
+    float x[8], y[8];
+    uint32_t bf[4], lx[4];
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) lx[e] = warp == 1 ? la[0][e] : la[2][e];
+    zero8(x);
+    zero8(y);
+    ldsm_x4_trans(tb_addr(warp - 1, warp - 1), bf);
+    if (products) block_mma_f16(x, lx, bf);
+    as_b(x, bf);
+    if (products) block_mma_f16(y, da, bf);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      tc[0][e] = warp == 1 ? -y[e] : 0.f;
+      tc[2][e] = warp == 3 ? -y[e] : 0.f;
+    }
+    if (warp == 1) {
+      uint32_t r[4];
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) r[e] = pack2<cutlass::half_t>(tc[0][2 * e], tc[0][2 * e + 1]);
+      stmatrix4(tb_addr(1, 0), r[0], r[1], r[2], r[3]);
+      asm volatile("bar.arrive %0, 96;" ::"r"(bar_t10) : "memory");  // B2: T10 in Tb
+    }
+  }
+  if (warp >= 2) {
+    float pb[2][8];  // P_{a0}, P_{a1}
+    uint32_t bf[4];
+    zero8(pb[0]);
+    zero8(pb[1]);
+    ldsm_x4_trans(tb_addr(1, 1), bf);
+    if (products) block_mma_f16(pb[1], la[1], bf);
+    ldsm_x4_trans(tb_addr(0, 0), bf);
+    if (products) block_mma_f16(pb[0], la[0], bf);
+    asm volatile("bar.sync %0, 96;" ::"r"(bar_t10) : "memory");  // B2: T10
+    ldsm_x4_trans(tb_addr(1, 0), bf);
+    if (products) block_mma_f16(pb[0], la[1], bf);
+    if (warp == 2) {
+      // P2 into Tb's blocks (0, 2), (0, 3) for warp 3, then T2b = -D2 P2b.
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        uint32_t r[4];
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) r[e] = pack2<cutlass::half_t>(pb[j][2 * e], pb[j][2 * e + 1]);
+        stmatrix4(tb_addr(0, 2 + j), r[0], r[1], r[2], r[3]);
+      }
+      asm volatile("bar.arrive %0, 64;" ::"r"(bar_p2) : "memory");  // B3: P2 in Tb
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        as_b(pb[j], bf);
+        if (products) block_mma_f16(tc[j], da, bf);
+        neg8(tc[j]);
+      }
+    } else {
+      uint32_t a32[4];
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) a32[e] = pack2<cutlass::half_t>(tc[2][2 * e], tc[2][2 * e + 1]);
+      asm volatile("bar.sync %0, 64;" ::"r"(bar_p2) : "memory");  // B3: P2
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        ldsm_x4_trans(tb_addr(0, 2 + j), bf);
+        if (products) block_mma_f16(tc[j], a32, bf);
+        as_b(pb[j], bf);
+        if (products) block_mma_f16(tc[j], da, bf);
+        neg8(tc[j]);
+      }
+    }
+  }
   if (p.skip & 8) {
-    if (tid == 0) bulk_wait_read();
+    wg_bar(barid);
     return;
   }
 
-  // Tu' = 2^et diag(2^-ek) Tm diag(beta) as the fp16 image, into L's bytes (dead after the
-  // inverse): each thread 4 runs of 8 columns.
+  // Tu' = 2^et diag(2^-ek) Tm diag(beta) as the fp16 image, Tm = diag(2^ek) T' diag(2^-ek), so
+  // Tu' = 2^et T' diag(beta 2^-ek): column factors only; each warp its 16 rows (stmatrix into
+  // the swizzled image, zeros right of the diagonal block).
   const float beta_max = __uint_as_float(max(sRed[0], sRed[1]));
   const int tu_exp = beta_max > 0.f ? max(-30, min(30, -1 - float_exponent(beta_max))) : 0;
   const int ek_min = static_cast<int>(min(sRed[2], sRed[3])) - 64;
-  const float tu_scale = pow2i(tu_exp);
-  cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sL);
+  const float rf = pow2i(tu_exp);
+  cutlass::half_t* sImg = reinterpret_cast<cutlass::half_t*>(sm + kInvImgS);
   Tensor tImg = make_tensor(make_smem_ptr(sImg), typename H::TokTok_K{});
+  const int mtx = lane >> 3;
   CUTE_UNROLL
-  for (int it = 0; it < 4; ++it) {
-    const int run = tid + 128 * it, i = run >> 3, j8 = (run & 7) * 8;
-    float t[8];
-    tm_run(sT, i, j8, t);
-    const float rf = tu_scale * pow2i(-sKexp[i]);
-    uint4 u;
-    uint32_t* pu = &u.x;
-    CUTE_UNROLL
-    for (int e = 0; e < 8; e += 2)
-      pu[e / 2] = pack2<cutlass::half_t>(t[e] * (sBeta[j8 + e] * rf), t[e + 1] * (sBeta[j8 + e + 1] * rf));
-    sts128(smem_u32(sImg + static_cast<int>(&tImg(i, j8) - sImg)), u);
+  for (int b = 0; b < 4; ++b) {
+    uint32_t r[4] = {0u, 0u, 0u, 0u};
+    if (b <= warp) {
+      float x[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) x[e] = b == warp ? dc[e] : tc[b < 3 ? b : 0][e];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const float2 bc = *reinterpret_cast<const float2*>(sBc + 16 * b + 8 * h + 2 * t4);
+        r[2 * h] = pack2<cutlass::half_t>(x[4 * h] * (rf * bc.x), x[4 * h + 1] * (rf * bc.y));
+        r[2 * h + 1] = pack2<cutlass::half_t>(x[4 * h + 2] * (rf * bc.x), x[4 * h + 3] * (rf * bc.y));
+      }
+    }
+    stmatrix4(smem_u32(&tImg(16 * warp + 8 * (mtx & 1) + (lane & 7), 16 * b + 8 * (mtx >> 1))), r[0], r[1], r[2], r[3]);
   }
   if (tid < kC) {
     regb[kInvKexp + tid] = static_cast<uint8_t>(static_cast<int8_t>(sKexp[tid]));

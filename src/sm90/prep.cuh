@@ -262,31 +262,38 @@ __device__ __forceinline__ void region_tokens(const Params& p, int ci, int64_t& 
 // w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
 // products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
 // sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
-__device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sT, int warp, int lane) {
-  {
-    const int w = warp, c = lane & 15;
-    float x[16];
+// (I + L)^-1 of one strictly lower 16 x 16 block L (fp32, row pitch ld; zeros above the diagonal
+// need not be there) into D (row pitch ld; exact zeros above the diagonal), by one warp: lane c
+// < 16 solves column c by forward substitution (lanes 16-31 repeat it: the rows' broadcast loads
+// cost the same). D may be L itself.
+__device__ __forceinline__ void invert_diag16(const float* L, float* D, int ld, int lane) {
+  const int c = lane & 15;
+  float x[16];
+  CUTE_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    const uint32_t Lr = smem_u32(L + i * ld);
     CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-      const uint32_t Lr = smem_u32(sL + (16 * w + i) * kLd + 16 * w);
-      CUTE_UNROLL
-      for (int j4 = 0; j4 < i / 4; ++j4) {
-        const float4 l = lds128(Lr + 16 * j4);
-        a0 -= l.x * x[4 * j4 + 0];
-        a1 -= l.y * x[4 * j4 + 1];
-        a2 -= l.z * x[4 * j4 + 2];
-        a3 -= l.w * x[4 * j4 + 3];
-      }
-      CUTE_UNROLL
-      for (int j = 4 * (i / 4); j < i; ++j) a0 -= sL[(16 * w + i) * kLd + 16 * w + j] * x[j];
-      x[i] = (a0 + a1) + (a2 + a3);
+    for (int j4 = 0; j4 < i / 4; ++j4) {
+      const float4 l = lds128(Lr + 16 * j4);
+      a0 -= l.x * x[4 * j4 + 0];
+      a1 -= l.y * x[4 * j4 + 1];
+      a2 -= l.z * x[4 * j4 + 2];
+      a3 -= l.w * x[4 * j4 + 3];
     }
-    if (lane < 16) {
-      CUTE_UNROLL
-      for (int i = 0; i < 16; ++i) sT[(16 * w + i) * kLd + 16 * w + c] = x[i];
-    }
+    CUTE_UNROLL
+    for (int j = 4 * (i / 4); j < i; ++j) a0 -= L[i * ld + j] * x[j];
+    x[i] = (a0 + a1) + (a2 + a3);
   }
+  __syncwarp();  // every lane has read L (D may be L)
+  if (lane < 16) {
+    CUTE_UNROLL
+    for (int i = 0; i < 16; ++i) D[i * ld + c] = x[i];
+  }
+  __syncwarp();
+}
+__device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sT, int warp, int lane) {
+  invert_diag16(sL + 16 * warp * kLd + 16 * warp, sT + 16 * warp * kLd + 16 * warp, kLd, lane);
 }
 __device__ __forceinline__ void invert_block_columns(const float* sL, float* sT, float* sP, int warp, int lane) {
   {
@@ -336,112 +343,6 @@ __device__ __forceinline__ void invert_block_columns(const float* sL, float* sT,
       sts128f(Tw + 16, acc[4], acc[5], acc[6], acc[7]);
       __syncwarp();  // the next block of the column reads this one; the scratch is rewritten
     }
-  }
-}
-// Phase 2 on the tensor cores (the fused forward's inverse): the same blocks as
-// invert_block_columns, by recursive doubling instead of column walks, each block product a
-// 16 x 16 x 16 tf32 mma.sync (operands rounded to nearest; the fp16 image that follows sets Tu's
-// error, bench/precision_model.py --inverse). With D_a the diagonal inverses of phase 1:
-//   T10 = -D1 L10 D0, T32 = -D3 L32 D2 (the 32 x 32 halves), then for the lower-left quarter
-//   P = [L20 L21; L30 L31] [D0 0; T10 D1] and [T20 T21; T30 T31] = -[D2 0; T32 D3] P.
-// Three steps split by warpgroup barriers; the longest path is six block products (nine
-// dependent ones on warp 0 in invert_block_columns). Scratch (X, P) lives in L's unused upper
-// blocks, so sL's blocks above the diagonal hold garbage afterwards.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-// acc += A B, A and B 16 x 16 fp32 blocks of row pitch kLd in shared memory; acc in the
-// m16n8 accumulator layout, two 8-column halves.
-__device__ __forceinline__ void block_mma_tf32(float (&acc)[2][4], const float* A, const float* B, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  CUTE_UNROLL
-  for (int ks = 0; ks < 2; ++ks) {
-    const float* a = A + g * kLd + 8 * ks + t;
-    const uint32_t a0 = to_tf32(a[0]), a1 = to_tf32(a[8 * kLd]), a2 = to_tf32(a[4]), a3 = to_tf32(a[8 * kLd + 4]);
-    CUTE_UNROLL
-    for (int nt = 0; nt < 2; ++nt) {
-      const float* b = B + (8 * ks + t) * kLd + 8 * nt + g;
-      const uint32_t b0 = to_tf32(b[0]), b1 = to_tf32(b[4 * kLd]);
-      asm volatile(
-          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};"
-          : "+f"(acc[nt][0]), "+f"(acc[nt][1]), "+f"(acc[nt][2]), "+f"(acc[nt][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-  }
-}
-__device__ __forceinline__ void block_zero(float (&acc)[2][4]) {
-  CUTE_UNROLL
-  for (int nt = 0; nt < 2; ++nt)
-    CUTE_UNROLL
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-}
-// C = sign * acc (16 x 16, row pitch kLd).
-__device__ __forceinline__ void block_store(float* C, const float (&acc)[2][4], float sign, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  CUTE_UNROLL
-  for (int nt = 0; nt < 2; ++nt) {
-    *reinterpret_cast<float2*>(C + g * kLd + 8 * nt + 2 * t) = make_float2(sign * acc[nt][0], sign * acc[nt][1]);
-    *reinterpret_cast<float2*>(C + (g + 8) * kLd + 8 * nt + 2 * t) = make_float2(sign * acc[nt][2], sign * acc[nt][3]);
-  }
-}
-__device__ __forceinline__ void invert_block_columns_tc(float* sL, float* sT, int warp, int lane, int barid) {
-  auto Lb = [&](int a, int b) { return sL + 16 * a * kLd + 16 * b; };
-  auto Tb = [&](int a, int b) { return sT + 16 * a * kLd + 16 * b; };
-  // Scratch blocks in L's upper triangle: X for warps 0 and 1, then P21, P20, P31, P30.
-  float* X = Lb(0, 1 + warp);  // warps 0, 1
-  float* P1 = warp == 2 ? Lb(0, 3) : Lb(1, 3);  // P_a1 of warp a = 2, 3
-  float* P0 = warp == 2 ? Lb(1, 2) : Lb(2, 3);  // P_a0
-  float acc[2][4], keep[2][4];
-  // Step 1. Warps 0, 1: T_{a+1,a} = -D_{a+1} (L_{a+1,a} D_a), a = 0, 2. Warps a = 2, 3: P_a1 = L_a1 D1
-  // (stored) and L_a0 D0 (kept in registers for step 2).
-  if (warp < 2) {
-    const int a = 2 * warp;
-    block_zero(acc);
-    block_mma_tf32(acc, Lb(a + 1, a), Tb(a, a), lane);
-    block_store(X, acc, 1.f, lane);
-    __syncwarp();
-    block_zero(acc);
-    block_mma_tf32(acc, Tb(a + 1, a + 1), X, lane);
-    block_store(Tb(a + 1, a), acc, -1.f, lane);
-  } else {
-    block_zero(acc);
-    block_mma_tf32(acc, Lb(warp, 1), Tb(1, 1), lane);
-    block_store(P1, acc, 1.f, lane);
-    block_zero(keep);
-    block_mma_tf32(keep, Lb(warp, 0), Tb(0, 0), lane);
-  }
-  wg_bar(barid);
-  // Step 2. Warps 2, 3: P_a0 = L_a0 D0 + L_a1 T10; warp 2 then T20 = -D2 P20. Warp 0: T21 = -D2 P21.
-  // Warp 1: T31 = -(T32 P21 + D3 P31).
-  if (warp >= 2) {
-    block_mma_tf32(keep, Lb(warp, 1), Tb(1, 0), lane);
-    block_store(P0, keep, 1.f, lane);
-    if (warp == 2) {
-      __syncwarp();
-      block_zero(acc);
-      block_mma_tf32(acc, Tb(2, 2), P0, lane);
-      block_store(Tb(2, 0), acc, -1.f, lane);
-    }
-  } else if (warp == 0) {
-    block_zero(acc);
-    block_mma_tf32(acc, Tb(2, 2), Lb(0, 3), lane);
-    block_store(Tb(2, 1), acc, -1.f, lane);
-  } else {
-    block_zero(acc);
-    block_mma_tf32(acc, Tb(3, 2), Lb(0, 3), lane);
-    block_mma_tf32(acc, Tb(3, 3), Lb(1, 3), lane);
-    block_store(Tb(3, 1), acc, -1.f, lane);
-  }
-  wg_bar(barid);
-  // Step 3. Warp 3: T30 = -(T32 P20 + D3 P30).
-  if (warp == 3) {
-    block_zero(acc);
-    block_mma_tf32(acc, Tb(3, 2), Lb(1, 2), lane);
-    block_mma_tf32(acc, Tb(3, 3), Lb(2, 3), lane);
-    block_store(Tb(3, 0), acc, -1.f, lane);
   }
 }
 __device__ __forceinline__ void invert_unit_lower(const float* sL, float* sT, float* sP, int warp, int lane,
