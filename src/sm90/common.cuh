@@ -183,6 +183,31 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(addr));
   return r;
 }
+// Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
+// the warpgroups of the grid's first CTA, averaged over its chunks (regions) and printed at exit.
+// QLA_PHASE_ARGS / QLA_PHASE_PASS carry the timers into a device function.
+#ifdef QLA_FUSED_PROFILE
+#define QLA_PHASES(n) long long ph_t[n] = {}; long long ph_p = clock64()
+#define QLA_PHASE(k) do { const long long t_ = clock64(); ph_t[k] += t_ - ph_p; ph_p = t_; } while (0)
+#define QLA_PHASES_PRINT(what, n, nch)                                                                  \
+  do {                                                                                                  \
+    if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
+      long long a_[8] = {};                                                                             \
+      for (int k_ = 0; k_ < (n); ++k_) a_[k_] = ph_t[k_] / (nch);                                       \
+      printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", what,      \
+             int(threadIdx.x >> 7), a_[0], a_[1], a_[2], a_[3], a_[4], a_[5], a_[6], a_[7]);           \
+    }                                                                                                   \
+  } while (0)
+#define QLA_PHASE_ARGS , long long* ph_t, long long& ph_p
+#define QLA_PHASE_PASS , ph_t, ph_p
+#else
+#define QLA_PHASE_ARGS
+#define QLA_PHASE_PASS
+#define QLA_PHASES(n) do {} while (0)
+#define QLA_PHASE(k) do {} while (0)
+#define QLA_PHASES_PRINT(what, n, nch) do {} while (0)
+#endif
+
 // Warp-level fragments of 16 x 16 fp16 blocks for mma.sync.m16n8k16 (lane l: g = l / 4,
 // t = l % 4). A 16 x 16 fp32 block as two m16n8 accumulators, c[8]: c[0..3] the columns 0-7
 // ((g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)), c[4..7] the columns 8-15; the same order

@@ -75,25 +75,6 @@ struct FusedCfg {
   static_assert(kGateCopy <= 1024 && kInvTok + kC * 4 <= kStageBytes, "stage parts overlap");
 };
 
-// Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
-// the math and aux warpgroups of the grid's first CTA, averaged over its chunks and printed at exit.
-#ifdef QLA_FUSED_PROFILE
-#define QLA_PHASES(n) long long ph_t[n] = {}; long long ph_p = clock64()
-#define QLA_PHASE(k) do { const long long t_ = clock64(); ph_t[k] += t_ - ph_p; ph_p = t_; } while (0)
-#define QLA_PHASES_PRINT(what, n, nch)                                                                  \
-  do {                                                                                                  \
-    if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
-      long long a_[8] = {};                                                                             \
-      for (int k_ = 0; k_ < (n); ++k_) a_[k_] = ph_t[k_] / (nch);                                       \
-      printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", what,      \
-             int(threadIdx.x >> 7), a_[0], a_[1], a_[2], a_[3], a_[4], a_[5], a_[6], a_[7]);           \
-    }                                                                                                   \
-  } while (0)
-#else
-#define QLA_PHASES(n) do {} while (0)
-#define QLA_PHASE(k) do {} while (0)
-#define QLA_PHASES_PRINT(what, n, nch) do {} while (0)
-#endif
 
 // The stacked operands of a stage (see FusedCfg), fp16.
 using QK_K = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<_128, _128>{}));  // (row, d)

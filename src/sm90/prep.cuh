@@ -262,15 +262,15 @@ __device__ __forceinline__ void region_tokens(const Params& p, int ci, int64_t& 
 // w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
 // products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
 // sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
-// (I + L)^-1 of one strictly lower 16 x 16 block L (fp32, row pitch ld; zeros above the diagonal
-// need not be there) into D (row pitch ld; exact zeros above the diagonal), by one warp: lane c
-// < 16 solves column c by forward substitution (lanes 16-31 repeat it: the rows' broadcast loads
-// cost the same). D may be L itself.
-__device__ __forceinline__ void invert_diag16(const float* L, float* D, int ld, int lane) {
-  const int c = lane & 15;
-  float x[16];
+// (I + L)^-1 of one strictly lower N x N block L (fp32, row pitch ld; zeros above the diagonal
+// need not be there) into D (row pitch ld; exact zeros above the diagonal), in one warp: this
+// lane solves column c by forward substitution and writes it if `store` (lanes that repeat a
+// column: the rows' broadcast loads cost the same). D may be L itself.
+template <int N>
+__device__ __forceinline__ void invert_diag(const float* L, float* D, int ld, int c, bool store) {
+  float x[N];
   CUTE_UNROLL
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < N; ++i) {
     float a0 = (i == c) ? 1.f : 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
     const uint32_t Lr = smem_u32(L + i * ld);
     CUTE_UNROLL
@@ -286,14 +286,14 @@ __device__ __forceinline__ void invert_diag16(const float* L, float* D, int ld, 
     x[i] = (a0 + a1) + (a2 + a3);
   }
   __syncwarp();  // every lane has read L (D may be L)
-  if (lane < 16) {
+  if (store) {
     CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) D[i * ld + c] = x[i];
+    for (int i = 0; i < N; ++i) D[i * ld + c] = x[i];
   }
   __syncwarp();
 }
 __device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sT, int warp, int lane) {
-  invert_diag16(sL + 16 * warp * kLd + 16 * warp, sT + 16 * warp * kLd + 16 * warp, kLd, lane);
+  invert_diag<16>(sL + 16 * warp * kLd + 16 * warp, sT + 16 * warp * kLd + 16 * warp, kLd, lane & 15, lane < 16);
 }
 __device__ __forceinline__ void invert_block_columns(const float* sL, float* sT, float* sP, int warp, int lane) {
   {
