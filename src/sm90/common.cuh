@@ -267,6 +267,19 @@ __device__ __forceinline__ float load_f(const void* p, int dt, int64_t i) {
   return float(static_cast<const cutlass::half_t*>(p)[i]);
 }
 
+// load_f in two halves: the element's bits (fp32, or fp16 / bf16 zero-extended), then their
+// value. A kernel that loads a region ahead keeps the bits, so that the dtype's branch does not
+// wait for the load (a conversion inside the branch would).
+__device__ __forceinline__ uint32_t load_bits(const void* p, int dt, int64_t i) {
+  if (dt == static_cast<int>(DType::kFloat32)) return __ldg(static_cast<const unsigned int*>(p) + i);
+  return __ldg(static_cast<const unsigned short*>(p) + i);
+}
+__device__ __forceinline__ float bits_value(uint32_t x, int dt) {
+  if (dt == static_cast<int>(DType::kFloat32)) return __uint_as_float(x);
+  if (dt == static_cast<int>(DType::kBFloat16)) return __uint_as_float(x << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
+}
+
 // Gates of token tid (< kC) of a chunk starting at token t0 of batch row b: g and beta (0 past
 // len, the sequence end).
 template <class Params>

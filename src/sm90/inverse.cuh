@@ -66,28 +66,74 @@ static_assert(kInvImgS % 1024 == 0, "the Tu image (128-byte swizzle) needs 1 KiB
 // tokens, and this thread's token's g and beta (tid < 64), whose loads are then in flight
 // during the previous region's inverse.
 struct InvRegion {
-  int64_t b, t0;
+  int b, t0;  // batch row and first token (TMA coordinates: 32-bit)
   int len, ci, hv;
-  float g, beta;
+  uint32_t g, beta;  // this thread's token's gates as loaded (load_bits; 0 past the sequence end)
 };
 
 // The warpgroups' work items are (chunk, key head, group of inv_group of its value heads): one
 // K tile and one K K^T serve the group's value heads (regions), taken one after the other.
-// inverse_place: region gi of an item, without loads; inverse_gates: with its gates, whose loads
-// are then in flight during the previous region's inverse.
-__device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, int item, int gi) {
+// A warpgroup walks its items in increasing chunk order, so the chunk's sequence comes from a
+// cursor over the chunk table: no loads while the chunk stays in the cursor's sequence, else
+// a warp-parallel search forward (one round of loads for up to 33 sequences ahead) and the
+// sequence's bounds. (The binary search of region_tokens on every region stalled each region's
+// start on its dependent loads: 2-3 of them with four sequences.)
+struct SeqCursor {
+  int n = 0, off_lo = 0, off_hi = 0;  // the sequence and its chunks [off_lo, off_hi)
+  int b = 0, t0 = 0, slen = 0;  // its batch row, first token and length (32-bit, as TMA's coordinates)
+};
+// The largest n >= n0 with off[n] <= ci (off non-decreasing, off[n0] <= ci): each of the 32 lanes
+// probes one candidate per round and the ballot keeps the last that qualifies.
+__device__ __forceinline__ int chunk_seq_from(const int* off, int N, int ci, int n0) {
+  const int lane = threadIdx.x & 31;
+  int lo = n0, hi = N - 1;
+  while (lo < hi) {
+    const int step = (hi - lo + 31) / 32;
+    const int m = lo + 1 + lane * step;
+    const unsigned ok = __ballot_sync(0xffffffffu, m <= hi && off[m] <= ci);
+    if (ok == 0u) break;  // off[lo + 1] > ci
+    const int l = 31 - __clz(ok);
+    lo = lo + 1 + l * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
+__device__ __forceinline__ void cursor_place(const PrepParams& p, SeqCursor& c, int ci, int& b, int& t0, int& len) {
+  if (ci < c.off_lo || ci >= c.off_hi) {
+    c.n = chunk_seq_from(p.chunk_off, p.N, ci, ci >= c.off_lo ? c.n : 0);
+    c.off_lo = p.chunk_off[c.n];
+    c.off_hi = p.chunk_off[c.n + 1];
+    int64_t sb, st0, sl;
+    seq_bounds(p.sd, c.n, sb, st0, sl);
+    c.b = static_cast<int>(sb);
+    c.t0 = static_cast<int>(st0);
+    c.slen = static_cast<int>(sl);
+  }
+  const int cstart = (ci - c.off_lo) * kC;  // within the sequence
+  b = c.b;
+  t0 = c.t0 + cstart;
+  len = min(kC, c.slen - cstart);
+}
+// inverse_place: the first region of an item, without loads of gates; with_gates: a region with
+// its gates, whose loads are then in flight during the previous region's inverse.
+__device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, SeqCursor& cursor, int item) {
   InvRegion q;
   const int groups = p.HV / p.H / p.inv_group;  // per key head
   q.ci = item / (p.H * groups);
   const int r = item % (p.H * groups);
-  q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group + gi;
-  region_tokens(p, q.ci, q.b, q.t0, q.len);
-  q.g = q.beta = 0.f;
+  q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group;
+  cursor_place(p, cursor, q.ci, q.b, q.t0, q.len);
+  q.g = q.beta = 0u;
   return q;
 }
-__device__ __forceinline__ InvRegion inverse_gates(const PrepParams& p, int tid, int item, int gi) {
-  InvRegion q = inverse_place(p, item, gi);
-  if (tid < kC) load_gates(p, tid, q.len, q.b, q.t0, q.hv, q.g, q.beta);
+__device__ __forceinline__ InvRegion with_gates(const PrepParams& p, int tid, InvRegion q, int hv) {
+  q.hv = hv;
+  q.g = q.beta = 0u;
+  if (tid < q.len) {
+    const int64_t t = q.t0 + tid;
+    q.g = load_bits(p.g, p.g_dt, q.b * p.sg[0] + t * p.sg[1] + q.hv);
+    q.beta = load_bits(p.beta, p.b_dt, q.b * p.sb[0] + t * p.sb[1] + q.hv);
+  }
   return q;
 }
 // The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
@@ -97,7 +143,7 @@ __device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK,
     mbar_expect_tx(bar, kQKBytes);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h)
-      tma_load_4d(sK + h * kQKBytes / 2, &p.tmk, h * 64, hq, static_cast<int>(q.t0), static_cast<int>(q.b), bar);
+      tma_load_4d(sK + h * kQKBytes / 2, &p.tmk, h * 64, hq, q.t0, q.b, bar);
   }
 }
 
@@ -128,7 +174,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     uint4 qv[8];
     {
       const int hq = q.hv / (p.HV / p.H);
-      const uint8_t* qb = static_cast<const uint8_t*>(p.q) + 2 * (q.b * p.sq[0] + q.t0 * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
+      const uint8_t* qb = static_cast<const uint8_t*>(p.q) + 2 * (int64_t(q.b) * p.sq[0] + int64_t(q.t0) * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
         const int row = (tid >> 4) + 8 * j;
@@ -163,17 +209,19 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       for (int j = 0; j < 8; ++j)
         sQexp[(tid >> 4) + 8 * j] = x[j] > 0.f ? max(-30, min(30, -(float_exponent(2.f * x[j]) >> 1))) : 0;
   }
+  QLA_PHASE(0);  // q's exponents (the item's first region, without the unit-norm hint)
   uint32_t* sRed = reinterpret_cast<uint32_t*>(sm + kInvRed);
   float* sBc = reinterpret_cast<float*>(sm + kInvBc);
   if (tid < kC) {
-    sGam[tid] = warp_inclusive_sum(q.g);
-    sBeta[tid] = q.beta;
+    sGam[tid] = warp_inclusive_sum(bits_value(q.g, p.g_dt));
+    sBeta[tid] = bits_value(q.beta, p.b_dt);
   }
   wg_bar(barid);
+  QLA_PHASE(1);  // the gate scan and its first barrier
   if (tid >= 32 && tid < kC) sGam[tid] += sGam[31];
   wg_bar(barid);
   const float gam_last = sGam[len - 1];
-  QLA_PHASE(0);  // q's exponents, the gate scan
+  QLA_PHASE(2);  // the scan's second barrier
 
   uint8_t* regb = static_cast<uint8_t*>(p.regions) + (static_cast<size_t>(q.ci) * p.HV + q.hv) * kInvRegionBytes;
   if (tid < kC) {  // the gates, fp32 (coalesced)
@@ -222,7 +270,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     wg_bar(barid);  // the key exponents complete; every warp's K K^T has retired, so K's bytes are free
     if (load_next) inverse_load_k(p, sKb, bar, tid, next_item);
   }
-  QLA_PHASE(1);  // the gates' stores, K K^T and the key exponents
+  QLA_PHASE(3);  // the gates' stores, K K^T and the key exponents
 
   // L' = diag(2^-ek) L diag(2^ek), L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j): since
   // 2^-ek_i ~ |k_i|, L'_ij ~ beta_i |k_i|^2 (k_i.k_j / |k_i| |k_j|) e^(gamma_i - gamma_j), as
@@ -285,11 +333,11 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     sBc[tid] = sBeta[tid] * pow2i(-e);
   }
 
+  QLA_PHASE(4);  // L' and the reductions
+
   // The warp's diagonal inverse D_a = (I + L'_aa)^-1 (fp32 substitution on its 8 x 8 diagonal
   // blocks, 8 steps instead of 16: -7% of the kernel on the wide rows), as an fp32 block (dc, for
   // the image), an fp16 A operand (da) and an fp16 block of Tb (for the others).
-  QLA_PHASE(2);  // L' and the reductions
-  QLA_PHASE(2);  // L' and the reductions
   cutlass::half_t* sTb = reinterpret_cast<cutlass::half_t*>(sm + kInvTb);
   auto tb_addr = [&](int a, int b) { return block_lane_addr(smem_u32(sTb + 16 * a * kInvTh + 16 * b), kInvTh * 2, lane); };
   float dc[8];
@@ -318,9 +366,8 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   for (int e = 0; e < 4; ++e) da[e] = pack2<cutlass::half_t>(dc[2 * e], dc[2 * e + 1]);
   stmatrix4(tb_addr(warp, warp), da[0], da[1], da[2], da[3]);
   if (tid == 0) bulk_wait_read();  // the previous region's image store has read the staging bytes
-  QLA_PHASE(3);  // the diagonal blocks
+  QLA_PHASE(5);  // the diagonal blocks
   wg_bar(barid);  // B1: every D_a in Tb; the reductions and column factors complete
-  QLA_PHASE(4);  // waiting at B1
 
   // Block products (docs/fused.md section 8), each warp finishing its own row block of
   // T' = (I + L')^-1 in registers. With the 32 x 32 halves [D0 0; T10 D1] and [D2 0; T32 D3]:
@@ -415,7 +462,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       }
     }
   }
-  QLA_PHASE(5);  // the block products
+  QLA_PHASE(6);  // waiting at B1, the block products
   if (p.skip & 8) {
     wg_bar(barid);
     return;
@@ -456,7 +503,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   }
   fence_async_smem();
   wg_bar(barid);
-  QLA_PHASE(6);  // the image and the last barrier
+  QLA_PHASE(7);  // the image and the last barrier
   if (tid == 0) {
     bulk_s2g(regb + kInvImg, sImg, kImgTokTok * 2);
     bulk_commit();
@@ -493,23 +540,24 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
   auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
   Tensor kk = partition_fragment_C(mma, Shape<_64, _64>{});  // the item's K K^T
   InvRegion cur{};
+  SeqCursor cursor;
   int nreg = 0;  // regions done (phase timers)
-  QLA_PHASES(7);
+  QLA_PHASES(8);
   if (it < nitems) {
-    cur = inverse_gates(p, tid, it, 0);
+    cur = inverse_place(p, cursor, it);
+    cur = with_gates(p, tid, cur, cur.hv);
     inverse_load_k(p, sm + kInvK, bar, tid, cur);
   }
   for (int k = 0; it < nitems; it += stride, ++k) {
     const bool more = it + stride < nitems;
     // The next item's first region: its K tile goes into the stage during this item's first
-    // region (a single region per item: its gates too, one region ahead as below).
-    InvRegion next_item{};
-    if (more) next_item = G == 1 ? inverse_gates(p, tid, it + stride, 0) : inverse_place(p, it + stride, 0);
+    // region, its gates are loaded during this item's last region.
+    const InvRegion next_item = more ? inverse_place(p, cursor, it + stride) : InvRegion{};
     for (int gi = 0; gi < G; ++gi) {
-      // Loads ahead: the next value head's gates, or the next item's first gates.
+      // Loads ahead: the next value head's gates (the same place), or the next item's first gates.
       InvRegion next{};
-      if (gi + 1 < G) next = inverse_gates(p, tid, it, gi + 1);
-      else if (more) next = G == 1 ? next_item : inverse_gates(p, tid, it + stride, 0);
+      if (gi + 1 < G) next = with_gates(p, tid, cur, cur.hv + 1);
+      else if (more) next = with_gates(p, tid, next_item, next_item.hv);
       inverse_region<T>(p, sm, sm + kInvK, tid, 1 + wg, bar, k & 1, cur, gi == 0, kk,
                         gi == 0 && more, next_item QLA_PHASE_PASS);
       ++nreg;
@@ -517,7 +565,7 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     }
   }
   if (tid == 0) bulk_wait_read();  // the last image store has read shared memory
-  QLA_PHASES_PRINT("inverse (q + gate scan, gate stores + K K^T, L', diagonal, B1 wait, products, image)", 7, nreg);
+  QLA_PHASES_PRINT("inverse (q, scan + barrier, barrier, gate stores + K K^T, L', diagonal, B1 + products, image)", 8, nreg);
 }
 
 // Host side: the value heads per item and the grid. A whole key head's group shares its K tile

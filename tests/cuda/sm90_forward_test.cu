@@ -814,6 +814,9 @@ int main(int argc, char** argv) {
     c.knorm = 1.f / 4096; cases.push_back(c); }
   { Case c; c.name = "spread q, k norms (2^+-8)"; c.B = 2; c.T = 200; c.H = 1; c.HV = 2; c.spread = true;
     cases.push_back(c); }
+  { Case c; c.name = "300 short seqs, every 9th empty";  // the inverse kernel's sequence search over many sequences
+    for (int i = 0; i < 300; ++i) c.lens.push_back(i % 9 == 0 ? 0 : (i * 37) % 200 + 1);
+    c.H = 1; c.HV = 2; cases.push_back(c); }
 
   for (size_t i = 0; i < cases.size(); ++i) ok = run_case(cases[i], 1234 + i, stream, i == 1 || i == 4) && ok;
 
