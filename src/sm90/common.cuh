@@ -214,14 +214,11 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
 // as a 16-column block of a warp's rows in a wgmma accumulator. An A operand, a[4]: the same
 // pairs packed (rows g and g + 8, columns 2t and 2t + 8). A B operand, b[4]: (b[0], b[1]) the
 // 16 x 8 half of columns 0-7, (b[2], b[3]) of columns 8-15.
-// Row-major 16 x 16 fp16 blocks in shared memory move by ldmatrix / stmatrix with lane l
-// addressing row (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16) (block_lane_addr).
+// Row-major 16 x 16 fp16 blocks in shared memory move by ldmatrix.trans (as B operands) and
+// stmatrix (from accumulators) with lane l addressing row (l % 8) + 8 ((l / 8) % 2), column
+// 8 (l / 16) (block_lane_addr).
 __device__ __forceinline__ uint32_t block_lane_addr(uint32_t base, int pitch_bytes, int lane) {
   return base + ((lane & 7) + 8 * ((lane >> 3) & 1)) * pitch_bytes + 16 * (lane >> 4);
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {  // A operand of a row-major block
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {  // B operand of a row-major block
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"

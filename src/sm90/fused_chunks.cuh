@@ -75,7 +75,6 @@ struct FusedCfg {
   static_assert(kGateCopy <= 1024 && kInvTok + kC * 4 <= kStageBytes, "stage parts overlap");
 };
 
-
 // The stacked operands of a stage (see FusedCfg), fp16.
 using QK_K = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<_128, _128>{}));  // (row, d)
 using QK_MN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::half_t>{}, Shape<_128, _128>{},

@@ -256,12 +256,6 @@ __device__ __forceinline__ void region_tokens(const Params& p, int ci, int64_t& 
   len = static_cast<int>(min<int64_t>(kC, slen - cstart));
 }
 
-// Tm = (I + L)^-1 of a strictly lower triangular fp32 L ([64][kLd] in shared memory) into sT, in
-// 16 x 16 blocks on the four warps of a warpgroup. Phase 1: warp w inverts its diagonal block
-// D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts). Phase 2: warp
-// w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
-// products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
-// sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
 // (I + L)^-1 of one strictly lower N x N block L (fp32, row pitch ld; zeros above the diagonal
 // need not be there) into D (row pitch ld; exact zeros above the diagonal), in one warp: this
 // lane solves column c by forward substitution and writes it if `store` (lanes that repeat a
@@ -292,6 +286,12 @@ __device__ __forceinline__ void invert_diag(const float* L, float* D, int ld, in
   }
   __syncwarp();
 }
+// Tm = (I + L)^-1 of a strictly lower triangular fp32 L ([64][kLd] in shared memory) into sT, in
+// 16 x 16 blocks on the four warps of a warpgroup. Phase 1: warp w inverts its diagonal block
+// D_w = I + L_ww by forward substitution (lane c: column c; L rows are broadcasts). Phase 2: warp
+// w walks down its block column, Tm_aw = -D_a^-1 sum_{m=w}^{a-1} L_am Tm_mw, with fp32 FMA
+// products (lane: one row, 8 columns; 16-byte shared loads), synchronising only within the warp.
+// sP: the warp's 16 x kPd scratch. Ends with the warps' own blocks written (no barrier after).
 __device__ __forceinline__ void invert_diagonal_blocks(const float* sL, float* sT, int warp, int lane) {
   invert_diag<16>(sL + 16 * warp * kLd + 16 * warp, sT + 16 * warp * kLd + 16 * warp, kLd, lane & 15, lane < 16);
 }
