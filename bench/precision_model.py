@@ -147,6 +147,32 @@ def emulate_transfer(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
     return _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step)
 
 
+def emulate_factored(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=torch.bfloat16):
+    """The transfer form with M left factored (docs/fused.md section 7, v3b): M S = K^T (F S), so
+    the chain holds two products with the state per chunk and none of them is C x C:
+        Y2 = F S,  X = E - Y2,  S' = e^Gamma S + K^T X,   O = G S + H,
+    with F = diag(e^(Gamma - gamma)) Tu diag(e^gamma) K and E = diag(e^(Gamma - gamma)) Tu V
+    (E in fp32, as an accumulator), G and H as in the transfer form. Operands as a kernel
+    stages them: the Tu image and F, G, W, X, S, K, Q, V rounded to `how`, fp32 accumulation."""
+    r = lambda x: _round_any(x, how)
+
+    def step(parts, S):
+        Qc, Kc, Vc, gam, Gam, Tu, A, scale = parts
+        Tu, A = r(Tu), r(A)
+        d1, d2 = gam.exp()[:, :, None], (Gam - gam).exp()[:, :, None]
+        Kr, Qr, Vr = r(Kc), r(Qc), r(Vc)
+        Wf = A @ Tu                                           # fp32 accumulator
+        W = r(Wf)
+        F_ = r(d2 * (r(Tu * d1.transpose(1, 2)) @ Kr))          # [n, d]
+        G = r((scale * d1) * Qr - r(Wf * d1.transpose(1, 2)) @ Kr)  # [n, d]
+        E = d2 * (Tu @ Vr)                                    # [n, dv], fp32
+        S16 = r(S)
+        X = r(E - F_ @ S16)
+        return G @ S16 + W @ Vr, Gam.exp()[:, :, None] * S + Kr.transpose(1, 2) @ X
+
+    return _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step)
+
+
 def _tf32(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 to tf32 (10 mantissa bits, round to nearest even on the 13 dropped bits)."""
     i = x.float().contiguous().view(torch.int32)
@@ -273,6 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--schemes", default="all", help="'all' or comma-separated indices into SCHEMES")
     ap.add_argument("--inverse", action="store_true", help="only the chunk inverse study (fp32 vs tf32 products)")
     ap.add_argument("--transfer", action="store_true", help="also the transfer form (emulate_transfer), fp16 operands")
+    ap.add_argument("--factored", action="store_true", help="also the factored transfer form (emulate_factored), fp16")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     names = list(SCHEMES)
@@ -301,16 +328,18 @@ def main(argv=None) -> int:
             mo, ms = max(mo, eo), max(ms, eh)
             cells.append(f"{eo:.2e} / {eh:.2e}")
         print(f"| {name} | " + " | ".join(cells) + f" | {mo:.2e} | {ms:.2e} |", flush=True)
-    if args.transfer:
+    forms = [("transfer form, fp16 operands ([M; G] S on the chain)", emulate_transfer)] if args.transfer else []
+    if args.factored:
+        forms.append(("factored transfer form, fp16 operands (F S, then K^T X on the chain)", emulate_factored))
+    for name, form in forms:
         cells, mo, ms = [], 0.0, 0.0
         for label, *_ in cases:
             x, (ro, rh) = refs[label]
-            o, h = emulate_transfer(*x)
+            o, h = form(*x)
             eo, eh = rel(o, ro), rel(h, rh)
             mo, ms = max(mo, eo), max(ms, eh)
             cells.append(f"{eo:.2e} / {eh:.2e}")
-        print("| transfer form, fp16 operands ([M; G] S on the chain) | " + " | ".join(cells) + f" | {mo:.2e} | {ms:.2e} |",
-              flush=True)
+        print(f"| {name} | " + " | ".join(cells) + f" | {mo:.2e} | {ms:.2e} |", flush=True)
     return 0
 
 
