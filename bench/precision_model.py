@@ -152,8 +152,9 @@ def emulate_factored(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
     the chain holds two products with the state per chunk and none of them is C x C:
         Y2 = F S,  X = E - Y2,  S' = e^Gamma S + K^T X,   O = G S + H,
     with F = diag(e^(Gamma - gamma)) Tu diag(e^gamma) K and E = diag(e^(Gamma - gamma)) Tu V
-    (E in fp32, as an accumulator), G and H as in the transfer form. Operands as a kernel
-    stages them: the Tu image and F, G, W, X, S, K, Q, V rounded to `how`, fp32 accumulation."""
+    (E - F S in one fp32 accumulator), G and H as in the transfer form. Operands as the kernel
+    (src/sm90/fused_factored.cuh) stages them: the Tu image, diag(e^(Gamma - gamma)) Tu, F's left
+    operand and F, G, W, X, S, K, Q, V rounded to `how`, fp32 accumulation."""
     r = lambda x: _round_any(x, how)
 
     def step(parts, S):
@@ -163,9 +164,10 @@ def emulate_factored(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
         Kr, Qr, Vr = r(Kc), r(Qc), r(Vc)
         Wf = A @ Tu                                           # fp32 accumulator
         W = r(Wf)
-        F_ = r(d2 * (r(Tu * d1.transpose(1, 2)) @ Kr))          # [n, d]
+        Tu2 = r(d2 * Tu)                                      # the kernel's Tu'' image
+        F_ = r(r(Tu2 * d1.transpose(1, 2)) @ Kr)              # [n, d]
         G = r((scale * d1) * Qr - r(Wf * d1.transpose(1, 2)) @ Kr)  # [n, d]
-        E = d2 * (Tu @ Vr)                                    # [n, dv], fp32
+        E = Tu2 @ Vr                                          # [n, dv], fp32 (with F S in one accumulator)
         S16 = r(S)
         X = r(E - F_ @ S16)
         return G @ S16 + W @ Vr, Gam.exp()[:, :, None] * S + Kr.transpose(1, 2) @ X

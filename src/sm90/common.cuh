@@ -125,6 +125,12 @@ __host__ __device__ __forceinline__ int img_off(T* aligned_base, int i, int j) {
   return static_cast<int>(&t(i, j) - aligned_base);
 }
 
+// Element (tok, v) of the factored recurrence's O staging buffer (fused_factored.cuh: 64 tokens
+// x 128 v, 16-bit, rows of 256 bytes): 16-byte chunks of 8 v XOR-swizzled by tok % 8, so that
+// stmatrix.trans (8 tokens of one chunk per matrix) and the store threads' row reads hit
+// distinct banks (tests/cuda/sm90_layout_test.cu checks both).
+__host__ __device__ constexpr int o_stage_at(int tok, int v) { return tok * 128 + (((v >> 3) ^ (tok & 7)) << 3) + (v & 7); }
+
 // Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
 // must not be wider than the tile).
 template <class T, int VT>
@@ -222,6 +228,13 @@ __device__ __forceinline__ uint32_t block_lane_addr(uint32_t base, int pitch_byt
 }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {  // B operand of a row-major block
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// Four 8 x 8 blocks of 16-bit pairs as stored (lane l addresses row l % 16, column 8 (l / 16) of a
+// 16 x 16 block): the A fragment of a row-major block, also the order of a 64 x N accumulator's
+// pairs (register r: row half r & 1, columns 8 (r / 2) + 2 (l % 4), + 1).
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 __device__ __forceinline__ void stmatrix4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {

@@ -42,8 +42,9 @@ namespace {
 
 // kMathWGs math warpgroups of 64 v rows each: V tile 64 (one) or 128 (two, sharing every load,
 // the aux's work and the producer).
-template <int kMathWGs>
+template <int kMathWGs_>
 struct FusedCfg {
+  static constexpr int kMathWGs = kMathWGs_;
   static constexpr int kStages = 3;
   static constexpr int kVT = 64 * kMathWGs;  // V columns per CTA
   static constexpr int kThreads = 128 * (2 + kMathWGs);
@@ -56,7 +57,7 @@ struct FusedCfg {
   //   the region's gates and key exponents (inverse.cuh), then the aux's per-token factors for
   //   the math warpgroups (fp32 x 64 each): Z's e^gamma 2^-ek, P's scale e^gamma 2^et and O's
   //   way back 2^-(eq + et) (see the aux).
-  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2;
+  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2, kTu = kTW;
   static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;
   static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
   static constexpr uint32_t kEgZ = kGates + 1024, kEgP = kEgZ + kC * 4, kInvTok = kEgP + kC * 4;
@@ -70,7 +71,6 @@ struct FusedCfg {
   static constexpr uint32_t kBar = kO + kOBufs * kC * kOPitch * 2;
   static constexpr uint32_t kFlags = kBar + (3 * kStages + 4) * 8;  // the piece's path (split.cuh)
   static constexpr size_t kSmem = 1024 + kFlags + 16;
-  static constexpr int kStoreThreads = 96;  // WG0 warps 1-3
   static_assert(kSmem <= 232448, "fused recurrence smem over the 227 KiB limit");
   static_assert(kGateCopy <= 1024 && kInvTok + kC * 4 <= kStageBytes, "stage parts overlap");
 };
@@ -109,6 +109,386 @@ __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Roles and steps shared by the fused recurrence kernels (this one and fused_factored.cuh). Cfg
+// names a stage's parts: kQK (K | Q, stacked), kV (the V tile's 64-column boxes), kTu (the
+// region's Tu image), kGates (its gates and key exponents, kGateCopy bytes), then the aux's
+// per-token factors kEgZ, kEgP, kInvTok; kTx is the bytes a stage receives.
+// ---------------------------------------------------------------------------------------------
+
+// The producer's loads of one chunk (first token tok of batch row bb; region index `region`,
+// whose bytes start at reg) into stage dst, completing on `full`.
+template <class Cfg>
+__device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, uint64_t* full, const uint8_t* reg,
+                                              size_t region, int hq, int hv, int vcol, int tok, int bb) {
+#ifdef QLA_SM90_TEST_HOOKS
+  if (p.skip) {  // timing variant (test builds): leave some loads out, the stage keeps stale bytes
+    uint32_t tx = 0;
+    if (!(p.skip & 1)) tx += 2 * kQKBytes;
+    if (!(p.skip & 2)) tx += kC * 64 * 2 * Cfg::kMathWGs;
+    if (!(p.skip & 4)) tx += kImgTokTok * 2 + Cfg::kGateCopy;
+    mbar_expect_tx(full, tx);
+    if (!(p.skip & 1))
+      for (int h = 0; h < 2; ++h) {
+        tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, full);
+        tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, full);
+      }
+    if (!(p.skip & 2))
+      for (int h = 0; h < Cfg::kMathWGs; ++h) tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vcol + 64 * h, hv, tok, bb, full);
+    if (!(p.skip & 4)) {
+      bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, full);
+      bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, full);
+    }
+    return;
+  }
+#endif
+  mbar_expect_tx(full, Cfg::kTx);
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    // d-block h of the stacked operand: K's 64 rows, then Q's.
+    tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, full);
+    tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, full);
+  }
+  CUTE_UNROLL
+  for (int h = 0; h < Cfg::kMathWGs; ++h)  // one 64-column box per math warpgroup; past V (the transfer
+    // map's columns, split.cuh) the box lies outside v's tensor map and arrives as zeros
+    tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vcol + 64 * h, hv, tok, bb, full);
+#ifdef QLA_SM90_TEST_HOOKS
+  if (p.ready) {  // overlapped variant: the region is written by the inverse kernel running beside
+    const int* f = p.ready + region;
+    while (ld_acquire(f) == 0) __nanosleep(100);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
+  }
+#endif
+  bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, full);
+  bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, full);
+}
+
+// The output store threads' copy of one chunk's rows (WG0 warps 1-3, thread st_t of 96): from
+// the staging buffer sO, whose element (j, e) lies at at(j, e) (e even; a multiple of 8 for the
+// 16-byte copies), to oc (row stride so1). 16-byte stores when every row start is 16-byte
+// aligned (vec), else 4-byte ones.
+constexpr int kFusedStoreThreads = 96;
+template <class T, int VT, class At>
+__device__ __forceinline__ void copy_o_rows(const T* sO, At at, T* oc, int64_t so1, int rows, int st_t, bool vec) {
+  if (vec) {
+    for (int q = st_t; q < rows * (VT / 8); q += kFusedStoreThreads) {
+      const int j = q / (VT / 8), v8 = q % (VT / 8);
+      *reinterpret_cast<uint4*>(oc + j * so1 + 8 * v8) = *reinterpret_cast<const uint4*>(sO + at(j, 8 * v8));
+    }
+  } else {
+    for (int q = st_t; q < rows * (VT / 2); q += kFusedStoreThreads) {
+      const int j = q / (VT / 2), v2 = q % (VT / 2);
+      *reinterpret_cast<uint32_t*>(oc + j * so1 + 2 * v2) = *reinterpret_cast<const uint32_t*>(sO + at(j, 2 * v2));
+    }
+  }
+}
+
+// The region's image exponent et (inverse.cuh).
+template <class Cfg>
+__device__ __forceinline__ int tu_exp_of(const uint8_t* stb) {
+  return *reinterpret_cast<const int*>(stb + Cfg::kGates + (kInvTuExp - kInvGam));
+}
+
+// The aux warpgroup's first step on a stage: K' = diag(2^ek) K and Q' = diag(2^eq) Q in fp16 in
+// place, and the math warpgroups' per-token factors, with O in per-token units 2^(eq + et + dl)
+// (dl: an extra power of two per chunk, 0 here). Ends on the aux's barrier.
+template <class T, class Cfg>
+__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int wt, int dl QLA_PHASE_ARGS) {
+  using H = cutlass::half_t;
+  // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
+  // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
+  // Y below stay in range, whatever the inputs' norms (ek = eq = 0 for l2-normalised q, k).
+  // Thread wt holds runs wt + 128 it: row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for
+  // it & 7 < 4, Q rows after.
+  const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
+  const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
+  const int et = tu_exp_of<Cfg>(stb);
+  const int r0 = wt >> 3;
+  const uint32_t base = smem_u32(stb + Cfg::kQK) + 16u * wt;
+  auto run_addr = [&](int it) { return base + 16u * 128u * it; };
+  int ex[8];  // it & 7 -> the row's exponent
+  bool unit = true;
+  CUTE_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    ex[r] = kexp[r0 + 16 * r];
+    ex[4 + r] = qexp[r0 + 16 * r];
+    unit = unit && ex[r] == 0 && ex[4 + r] == 0;
+  }
+  const bool scaled = !__all_sync(0xffffffffu, unit);
+  QLA_PHASE(1);
+  // In place to fp16 (bf16 inputs always, fp16 ones when a scale is not 1), eight runs'
+  // loads issued together. Scaling by 2^e is exact: bf16x2 multiplies (bf16 has fp32's
+  // range), fp32 ones for fp16 inputs. Two copies of the loop: the unscaled one (unit-norm
+  // q and k) issues no multiplies at all.
+  auto convert_all = [&](auto with_scale) {
+    [[maybe_unused]] constexpr bool kScale = decltype(with_scale)::value;
+    uint32_t sc2[8];  // 2^e per row, as bf16x2
+    CUTE_UNROLL
+    for (int r = 0; r < 8; ++r) {
+      const uint32_t b = static_cast<uint32_t>(ex[r] + 127) << 7;
+      sc2[r] = b | (b << 16);
+    }
+    CUTE_UNROLL
+    for (int hb = 0; hb < 2; ++hb) {
+      uint4 u[8];
+      CUTE_UNROLL
+      for (int r = 0; r < 8; ++r)
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(run_addr(8 * hb + r)));
+      CUTE_UNROLL
+      for (int r = 0; r < 8; ++r) {
+        uint32_t* pu = &u[r].x;
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+            if constexpr (kScale) asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(pu[i]) : "r"(sc2[r]));
+            const float2 f = unpack2<T>(pu[i]);
+            pu[i] = pack2<H>(f.x, f.y);
+          } else {
+            const float2 f = unpack2<T>(pu[i]);
+            const float sc = pow2i(ex[r]);
+            pu[i] = pack2<H>(f.x * sc, f.y * sc);
+          }
+        }
+        sts128(run_addr(8 * hb + r), u[r]);
+      }
+    }
+  };
+  if (scaled) convert_all(std::true_type{});
+  else if constexpr (!std::is_same_v<T, H>) convert_all(std::false_type{});
+  QLA_PHASE(2);
+  // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
+  // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
+  // 2^-et) is S's update. O holds 2^(eq + et) O: W' = A' Tu' with A' = diag(2^eq) A
+  // diag(2^ek) (from Q', K'), so P (2^eq P) takes scale e^gamma 2^et.
+  if (wt < kC) {
+    reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et + dl));
+    float* g = reinterpret_cast<float*>(stb + Cfg::kGates);
+    const float eg = g[(kInvEg - kInvGam) / 4 + wt];
+    reinterpret_cast<float*>(stb + Cfg::kEgZ)[wt] = eg * pow2i(-kexp[wt]);
+    reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et + dl);
+    g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
+  }
+  fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
+  wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
+}
+
+// The aux's Q K^T (SS wgmma) and W = A Tu (RS wgmma, A from registers), 64 x 64 each.
+using AuxMma = decltype(make_tiled_mma(
+    GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>()));
+using AuxAcc = decltype(partition_fragment_C(AuxMma{}, Shape<_64, _64>{}));
+
+// A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0, from Q' K'^T (the K|Q
+// operand sQK, fp16), as W's fp16 register operand; then acc = W = A Tu (sTu: the Tu image, read
+// as (j, j'), MN-major).
+__device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const cutlass::half_t* sTu, const float* sGam,
+                                             int len, float scale, int wt, AuxAcc& acc QLA_PHASE_ARGS) {
+  using H = cutlass::half_t;
+  auto mma = AuxMma{};
+  auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
+  auto thr = mma.get_thread_slice(wt);
+  auto thrW = mmaW.get_thread_slice(wt);
+  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
+  Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
+  Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
+  Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
+  Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  gemm_k(mma, rQ, rK, acc, GMMA::ScaleOut::Zero);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  QLA_PHASE(4);
+  // The gate as a clamped difference (no overflow).
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(cc(i)), j = get<1>(cc(i));
+    const float gr = sGam[r];
+    const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
+    const float sr = r < len ? scale : 0.f;
+    rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
+    rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
+  }
+  Tensor rTu = thrW.partition_fragment_B(make_tensor(make_smem_ptr(sTu), typename Lay<H>::TokTok_MN{}));
+  warpgroup_fence_operand(rA16);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  gemm_k(mmaW, rA16, rTu, acc, GMMA::ScaleOut::Zero);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+// A warpgroup's 64 x N fp32 accumulator rows as fp16 into the K-major (row, column) tensor t, by
+// stmatrix: element i of the accumulator becomes value(i). Lane l addresses row l % 8 of block
+// l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes.
+template <int N, class Tens, class Value>
+__device__ __forceinline__ void stmatrix_rows(Tens& t, int wt, Value value) {
+  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+  CUTE_UNROLL
+  for (int tb = 0; tb < N / 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
+    uint32_t rr[4];
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) rr[q] = pack2<cutlass::half_t>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
+    stmatrix4(smem_u32(&t(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
+  }
+}
+
+// The math warpgroups' accumulator elements: element i of a 64 x N fragment lies in row half
+// acc_half(i) (rows 16 w + lane / 4 and + 8).
+__device__ __forceinline__ int acc_half(int i) { return (i >> 1) & 1; }
+
+// The state entering a CTA's chunks (S^T (v, d) as accS, columns v0 .. v0 + 63 of [V | K]):
+// h0, the scan's state (maps), zero, or the identity's columns (the transfer map; split.cuh).
+template <class AccS, class CS>
+__device__ __forceinline__ void load_entering_state(const RecParams& p, int init, int n, int hv, int v0, const float* maps,
+                                                    AccS& accS, const CS& cS) {
+  const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+  if (init == kInitH0 && p.h0) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
+      accS(i) = p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)];
+    }
+  } else if (init == kInitMaps) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) = maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))];
+  } else {  // zero, or the identity's columns (the transfer map)
+    const bool id = init == kInitIdentity;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) = id && v0 + get<0>(cS(i)) - kDV == get<1>(cS(i)) ? 1.f : 0.f;
+  }
+}
+
+// The state leaving a CTA's chunks (row v in units 2^esc): the final state or the piece's maps.
+template <class AccS, class CS>
+__device__ __forceinline__ void store_leaving_state(const RecParams& p, int end, int n, int hv, int v0, float* maps,
+                                                    const AccS& accS, const CS& cS, const int (&esc)[2]) {
+  const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+  if (end == kEndFinal && p.hT) {
+    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) {
+      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
+      p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i) * inv[acc_half(i)];
+    }
+  } else if (end == kEndMaps) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))] = accS(i) * inv[acc_half(i)];
+  }
+}
+
+// Row v's units for a chunk (see the top of this file), from max |S| (current units) and max |V|
+// (raw, this thread's V^T pairs vp) over the four threads of a quad (they share rows); kn bounds
+// the chunk's key norms. Leaves rS16 = the fp16 copy of S^T in the new units, f = new / old
+// units and sc = the new units per row half, esc updated.
+template <class T, class AccS, class S16>
+__device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const uint32_t (&vp)[16], float kn, int (&esc)[2],
+                                            float (&f)[2], float (&sc)[2]) {
+  using H = cutlass::half_t;
+  float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)], fabsf(accS(i)));
+  float mv[2] = {0.f, 0.f};
+  CUTE_UNROLL
+  for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1, row half k & 1
+    const float2 a = unpack2<T>(vp[k]);
+    mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
+  }
+  const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
+                      fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
+  // The fp16 copy of S in the current units, issued before the units are checked: they
+  // change only when a row's max leaves [2^6, 2^10) (then it is put back in [2^8, 2^9)), so
+  // in the common case nothing waits for the quad reduction below.
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    float mm = fmaxf(m[h] * kn, mv[h] * pow2i(esc[h]));
+    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
+    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
+    // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
+    // <= sqrt(2) kn sqrt(128) |S|max < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
+    const int ex = float_exponent(mm);
+    const int de = mm > 0.f && (ex < 6 || ex >= 10) ? max(-126, min(127, 8 - ex)) : 0;
+    const int ne = max(-120, min(120, esc[h] + de));
+    f[h] = pow2i(ne - esc[h]);
+    esc[h] = ne;
+    sc[h] = pow2i(ne);
+  }
+  if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // new units in this warp: redo the copy
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[acc_half(i)]);
+  }
+}
+
+// The piece's path (split.cuh), from the gates of the chunks before its boundaries, by warp 1
+// into sflags: [0] the warm-up path, [1] its warm-up chunks.
+__device__ __forceinline__ void piece_path_flags(const RecParams& p, const PieceCta& tile, int* sflags, int tid) {
+  if (tid >= 32 && tid < 64) {
+    const bool warm = tile.sp.np > 1 && warm_path(p, tile.ci0, tile.hv, tile.sp, tid - 32);
+    if (tid == 32) {
+      sflags[0] = warm;
+      sflags[1] = warm && tile.j > 0 ? warm_chunks(p, tile.ci0, tile.hv, tile.j * tile.sp.len) : 0;
+    }
+  }
+}
+
+// A math warpgroup's O^T (v, tok) block, accumulator elements kBase .. kBase + 31 (a 64 x 64
+// block's order), to a (tok, v) staging buffer by stmatrix.trans in true units: row v / 2^esc,
+// token by its factor inv_tok (this thread's 8 token pairs). addr(tok, v): the byte address of
+// the buffer's row tok at the warpgroup's column v (a multiple of 8).
+template <class T, int kBase, class Acc, class Addr>
+__device__ __forceinline__ void stage_o_trans(const Acc& acc, const int (&esc)[2], const float2 (&inv_tok)[8], int wt, Addr addr) {
+  const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+  CUTE_UNROLL
+  for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators kBase + 4 tb .. + 7
+    uint32_t r[4];
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const int i = kBase + 4 * tb + 2 * q;
+      const float2 it = inv_tok[(i - kBase) >> 2];  // per token: elements 4 k .. 4 k + 3 share a pair
+      r[q] = pack2<T>(acc(i) * (inv[acc_half(i)] * it.x), acc(i + 1) * (inv[acc_half(i)] * it.y));
+    }
+    // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
+    const int tok = 8 * (tb + (mtx >> 1)) + (lane & 7), v = 16 * w + 8 * (mtx & 1);
+    stmatrix_t4(addr(tok, v), r[0], r[1], r[2], r[3]);
+  }
+}
+
+// Nothing to do for this CTA: padding past the last piece or sequence, or malformed device
+// cu_seqlens (then pass 0 fills the outputs with NaN).
+template <class T>
+__device__ __forceinline__ bool fused_cta_idle(const RecParams& p, const PieceCta& tile) {
+  if (p.chunk_off[p.N + 1]) {
+    if (p.pass == 0) fill_nan_outputs<T>(p);
+    return true;
+  }
+  return !tile.live;
+}
+
+// The producer thread's loop: each chunk's loads into stage c % kStages once the math
+// warpgroups have released it (`empty`).
+template <class Cfg>
+__device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta& tile, const PieceRole& role, uint8_t* sm,
+                                             uint64_t* full, uint64_t* empty) {
+  const int hq = tile.hv / (p.HV / p.H);
+  const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
+  for (int c = 0; c < role.nch; ++c) {
+    const int st = c % Cfg::kStages;
+    // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
+    // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
+    const int tok = static_cast<int>(tile.t0) + (role.c0 + c) * kC, bb = static_cast<int>(tile.b);
+    const size_t region = static_cast<size_t>(tile.ci0 + role.c0 + c) * p.HV + tile.hv;
+    mbar_wait(&empty[st], ((c / Cfg::kStages) & 1) ^ 1);
+    produce_chunk<Cfg>(p, sm + st * Cfg::kStageBytes, &full[st], regions + region * kInvRegionBytes, region, hq, tile.hv,
+                       tile.vt * Cfg::kVT, tok, bb);
+  }
+}
+
 template <class T, int kMathWGs>
 __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
   using Cfg = FusedCfg<kMathWGs>;
@@ -135,21 +515,10 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   const PieceCta tile = piece_cta(p);
   const int vt = tile.vt, n = tile.n, hv = tile.hv;
   const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
-  const int ci0 = tile.ci0;
-  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens: NaN outputs, nothing else
-    if (p.pass == 0) fill_nan_outputs<T>(p);
-    return;
-  }
-  if (!tile.live) return;
+  if (fused_cta_idle<T>(p, tile)) return;
   // The piece's path (split.cuh), from the gates of the chunks before its boundaries: warp 1.
   int* sflags = reinterpret_cast<int*>(sm + Cfg::kFlags);
-  if (tid >= 32 && tid < 64) {
-    const bool warm = tile.sp.np > 1 && warm_path(p, ci0, hv, tile.sp, tid - 32);
-    if (tid == 32) {
-      sflags[0] = warm;
-      sflags[1] = warm && tile.j > 0 ? warm_chunks(p, ci0, hv, tile.j * tile.sp.len) : 0;
-    }
-  }
+  piece_path_flags(p, tile, sflags, tid);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -158,7 +527,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     }
     for (int s = 0; s < Cfg::kOBufs; ++s) {
       mbar_init(&oready[s], 128 * kMathWGs);
-      mbar_init(&ofree[s], Cfg::kStoreThreads);
+      mbar_init(&ofree[s], kFusedStoreThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -195,76 +564,12 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
           // (timing variant: no store)
         } else
 #endif
-        if (vec) {
-          for (int q = st_t; q < rows * (VT / 8); q += Cfg::kStoreThreads) {
-            const int j = q / (VT / 8), v8 = q % (VT / 8);
-            *reinterpret_cast<uint4*>(oc + j * p.so[1] + 8 * v8) = *reinterpret_cast<const uint4*>(sO + j * Cfg::kOPitch + 8 * v8);
-          }
-        } else {
-          for (int q = st_t; q < rows * (VT / 2); q += Cfg::kStoreThreads) {
-            const int j = q / (VT / 2), v2 = q % (VT / 2);
-            *reinterpret_cast<uint32_t*>(oc + j * p.so[1] + 2 * v2) = *reinterpret_cast<const uint32_t*>(sO + j * Cfg::kOPitch + 2 * v2);
-          }
-        }
+        copy_o_rows<T, VT>(sO, [](int j, int e) { return j * Cfg::kOPitch + e; }, oc, p.so[1], rows, st_t, vec);
         mbar_arrive(&ofree[ob_i]);
       }
       return;
     }
-    if (wt != 0) return;
-    const int hq = hv / (p.HV / p.H);
-    const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
-    for (int c = 0; c < nch; ++c) {
-      const int st = c % kStages;
-      uint8_t* dst = stage(c);
-      // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
-      // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
-      const int tok = static_cast<int>(t0) + (c0 + c) * kC, bb = static_cast<int>(b);
-      mbar_wait(&empty[st], parity(c) ^ 1);
-#ifdef QLA_SM90_TEST_HOOKS
-      if (p.skip) {  // timing variant (test builds): leave some loads out, the stage keeps stale bytes
-        uint32_t tx = 0;
-        if (!(p.skip & 1)) tx += 2 * kQKBytes;
-        if (!(p.skip & 2)) tx += kC * 64 * 2 * kMathWGs;
-        if (!(p.skip & 4)) tx += kImgTokTok * 2 + Cfg::kGateCopy;
-        mbar_expect_tx(&full[st], tx);
-        if (!(p.skip & 1))
-          for (int h = 0; h < 2; ++h) {
-            tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, &full[st]);
-            tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
-          }
-        if (!(p.skip & 2))
-          for (int h = 0; h < kMathWGs; ++h)
-            tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
-        if (!(p.skip & 4)) {
-          const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c0 + c) * p.HV + hv) * kInvRegionBytes;
-          bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
-          bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
-        }
-        continue;
-      }
-#endif
-      mbar_expect_tx(&full[st], Cfg::kTx);
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        // d-block h of the stacked operand: K's 64 rows, then Q's.
-        tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, &full[st]);
-        tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &full[st]);
-      }
-      CUTE_UNROLL
-      for (int h = 0; h < kMathWGs; ++h)  // one 64-column box per math warpgroup; past V (the transfer
-        // map's columns, split.cuh) the box lies outside v's tensor map and arrives as zeros
-        tma_load_4d(dst + Cfg::kV + h * kC * 64 * 2, &p.tmv, vt * VT + 64 * h, hv, tok, bb, &full[st]);
-      const uint8_t* reg = regions + (static_cast<size_t>(ci0 + c0 + c) * p.HV + hv) * kInvRegionBytes;
-#ifdef QLA_SM90_TEST_HOOKS
-      if (p.ready) {  // overlapped variant: the region is written by the inverse kernel running beside
-        const int* f = p.ready + static_cast<size_t>(ci0 + c0 + c) * p.HV + hv;
-        while (ld_acquire(f) == 0) __nanosleep(100);
-        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read it
-      }
-#endif
-      bulk_g2s(dst + Cfg::kTW, reg + kInvImg, kImgTokTok * 2, &full[st]);
-      bulk_g2s(dst + Cfg::kGates, reg + kInvGam, Cfg::kGateCopy, &full[st]);
-    }
+    if (wt == 0) run_producer<Cfg>(p, tile, role, sm, full, empty);
     return;
   }
 
@@ -272,13 +577,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     // ---------------- aux: fp16 Q and K, W = A Tu ----------------
     if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
-    auto mma = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
-    auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
-    auto thr = mma.get_thread_slice(wt);
-    auto thrW = mmaW.get_thread_slice(wt);
-    Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
-    Tensor acc = partition_fragment_C(mma, Shape<_64, _64>{});
-    Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
+    AuxAcc acc;  // W = A Tu (i, j')
     QLA_PHASES(6);  // wait, exponents, conversion, factors, Q K^T, A and W
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
@@ -287,127 +586,13 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
-      // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
-      // Y below stay in range, whatever the inputs' norms (ek = eq = 0 for l2-normalised q, k).
-      // Thread wt holds runs wt + 128 it: row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for
-      // it & 7 < 4, Q rows after.
-      {
-        const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
-        const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
-        const int et = *reinterpret_cast<const int*>(stb + Cfg::kGates + (kInvTuExp - kInvGam));
-        const int r0 = wt >> 3;
-        const uint32_t base = smem_u32(stb + Cfg::kQK) + 16u * wt;
-        auto run_addr = [&](int it) { return base + 16u * 128u * it; };
-        int ex[8];  // it & 7 -> the row's exponent
-        bool unit = true;
-        CUTE_UNROLL
-        for (int r = 0; r < 4; ++r) {
-          ex[r] = kexp[r0 + 16 * r];
-          ex[4 + r] = qexp[r0 + 16 * r];
-          unit = unit && ex[r] == 0 && ex[4 + r] == 0;
-        }
-        const bool scaled = !__all_sync(0xffffffffu, unit);
-        QLA_PHASE(1);
-        // In place to fp16 (bf16 inputs always, fp16 ones when a scale is not 1), eight runs'
-        // loads issued together. Scaling by 2^e is exact: bf16x2 multiplies (bf16 has fp32's
-        // range), fp32 ones for fp16 inputs. Two copies of the loop: the unscaled one (unit-norm
-        // q and k) issues no multiplies at all.
-        auto convert_all = [&](auto with_scale) {
-          constexpr bool kScale = decltype(with_scale)::value;
-          uint32_t sc2[8];  // 2^e per row, as bf16x2
-          CUTE_UNROLL
-          for (int r = 0; r < 8; ++r) {
-            const uint32_t b = static_cast<uint32_t>(ex[r] + 127) << 7;
-            sc2[r] = b | (b << 16);
-          }
-          CUTE_UNROLL
-          for (int hb = 0; hb < 2; ++hb) {
-            uint4 u[8];
-            CUTE_UNROLL
-            for (int r = 0; r < 8; ++r)
-              asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                           : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(run_addr(8 * hb + r)));
-            CUTE_UNROLL
-            for (int r = 0; r < 8; ++r) {
-              uint32_t* pu = &u[r].x;
-              CUTE_UNROLL
-              for (int i = 0; i < 4; ++i) {
-                if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-                  if constexpr (kScale) asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(pu[i]) : "r"(sc2[r]));
-                  const float2 f = unpack2<T>(pu[i]);
-                  pu[i] = pack2<H>(f.x, f.y);
-                } else {
-                  const float2 f = unpack2<T>(pu[i]);
-                  const float sc = pow2i(ex[r]);
-                  pu[i] = pack2<H>(f.x * sc, f.y * sc);
-                }
-              }
-              sts128(run_addr(8 * hb + r), u[r]);
-            }
-          }
-        };
-        if (scaled) convert_all(std::true_type{});
-        else if constexpr (!std::is_same_v<T, H>) convert_all(std::false_type{});
-        QLA_PHASE(2);
-        // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
-        // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
-        // 2^-et) is S's update. O holds 2^(eq + et) O: W' = A' Tu' with A' = diag(2^eq) A
-        // diag(2^ek) (from Q', K'), so P (2^eq P) takes scale e^gamma 2^et.
-        if (wt < kC) {
-          reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et));
-          float* g = reinterpret_cast<float*>(stb + Cfg::kGates);
-          const float eg = g[(kInvEg - kInvGam) / 4 + wt];
-          reinterpret_cast<float*>(stb + Cfg::kEgZ)[wt] = eg * pow2i(-kexp[wt]);
-          reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et);
-          g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
-        }
-        fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
-        wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
-      }
+      aux_convert_qk<T, Cfg>(p, stb, wt, 0 QLA_PHASE_PASS);
       QLA_PHASE(3);
-      Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
-      Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
-      Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      gemm_k(mma, rQ, rK, acc, GMMA::ScaleOut::Zero);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      QLA_PHASE(4);
-      // A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (the gate as a
-      // clamped difference, no overflow), as fp16: W's register operand.
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        const int r = get<0>(cc(i)), j = get<1>(cc(i));
-        const float gr = sGam[r];
-        const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-        const float sr = r < len ? p.scale : 0.f;
-        rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
-        rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
-      }
-      // W = A Tu (B: the Tu image read as (j, j'), MN-major), into acc.
-      Tensor rTu = thrW.partition_fragment_B(make_tensor(make_smem_ptr(sTW), typename LH::TokTok_MN{}));
-      warpgroup_fence_operand(rA16);
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      gemm_k(mmaW, rA16, rTu, acc, GMMA::ScaleOut::Zero);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      // W as fp16 into rows 64-127 of the Tu|W operand (stmatrix: lane l addresses row l % 8 of
-      // block l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes).
+      aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
+      // W as fp16 into rows 64-127 of the Tu|W operand.
       Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
-      const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
-      CUTE_UNROLL
-      for (int tb = 0; tb < 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
-        uint32_t rr[4];
-        CUTE_UNROLL
-        for (int q = 0; q < 4; ++q) rr[q] = pack2<H>(acc(4 * tb + 2 * q), acc(4 * tb + 2 * q + 1));
-        stmatrix4(smem_u32(&tW(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
-      }
+      stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i); });
       fence_async_smem();
       mbar_arrive(&aready[c % kStages]);
       QLA_PHASE(5);
@@ -439,28 +624,12 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   Tensor rX16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});
   static_assert(size(decltype(accS){}) == size(decltype(rS16){}) && size(decltype(accT){}) == 2 * size(decltype(rZ16){}),
                 "A operands are the accumulators' elements");
-  // Element i's row half: rows 16 w + lane / 4 (h = 0) and + 8 (h = 1).
-  auto half_of = [](int i) { return (i >> 1) & 1; };
 
   const int v0 = vt * VT + 64 * mw;  // the first of this warpgroup's columns of [V | K]
-  const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
   // The piece's maps (split.cuh): its own, or the previous piece's R, which the scan made the
   // state entering this one.
   float* maps = p.maps ? map_at(p, tile.map - (role.init == kInitMaps), hv) : nullptr;
-  if (role.init == kInitH0 && p.h0) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) {
-      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
-      accS(i) = p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)];
-    }
-  } else if (role.init == kInitMaps) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) = maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))];
-  } else {  // zero, or the identity's columns (the transfer map)
-    const bool id = role.init == kInitIdentity;
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) = id && v0 + get<0>(cS(i)) - kDV == get<1>(cS(i)) ? 1.f : 0.f;
-  }
+  load_entering_state(p, role.init, n, hv, v0, maps, accS, cS);
   int esc[2] = {0, 0};  // row v's units: 2^esc
   QLA_PHASES(8);
 
@@ -484,43 +653,8 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     // This thread's V^T pairs (ldmatrix.trans of the TMA tile; Z below uses them).
     uint32_t vp[16];
     load_vt_pairs(sV, wt, vp);
-    // Row units for this chunk: max |S| (current units) and max |V| (raw), over the four
-    // threads of a quad (they share rows).
-    float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) m4[half_of(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[half_of(i)][(i & 1) | ((i >> 1) & 2)], fabsf(accS(i)));
-    float mv[2] = {0.f, 0.f};
-    CUTE_UNROLL
-    for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1, row half k & 1
-      const float2 a = unpack2<T>(vp[k]);
-      mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
-    }
-    const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
-                        fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
-    // The fp16 copy of S in the current units, issued before the units are checked: they
-    // change only when a row's max leaves [2^6, 2^10) (then it is put back in [2^8, 2^9)), so
-    // in the common case nothing waits for the quad reduction below.
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));
-    float f[2], sc[2];
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float mm = fmaxf(m[h] * kn, mv[h] * pow2i(esc[h]));
-      mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
-      mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
-      // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
-      // <= sqrt(2) kn sqrt(128) |S|max < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
-      const int ex = float_exponent(mm);
-      const int de = mm > 0.f && (ex < 6 || ex >= 10) ? max(-126, min(127, 8 - ex)) : 0;
-      const int ne = max(-120, min(120, esc[h] + de));
-      f[h] = pow2i(ne - esc[h]);
-      esc[h] = ne;
-      sc[h] = pow2i(ne);
-    }
-    if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // new units in this warp: redo the copy
-      CUTE_UNROLL
-      for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[half_of(i)]);
-    }
+    float f[2], sc[2];  // this chunk's change of units, and its units
+    chunk_units<T>(accS, rS16, vp, kn, esc, f, sc);
     QLA_PHASE(1);
 
     // [Y^T | P^T] = S^T [K; Q]^T.
@@ -543,7 +677,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float2 vv = unpack2<T>(vp[k]);
       const float2 eg = *reinterpret_cast<const float2*>(sEgZ + get<1>(cT(i)));
       const float2 ep = *reinterpret_cast<const float2*>(sEgP + get<1>(cT(i)));
-      const float s_ = sc[half_of(i)];
+      const float s_ = sc[acc_half(i)];
       rZ16(i) = H(vv.x * s_ - eg.x * accT(i));
       rZ16(i + 1) = H(vv.y * s_ - eg.y * accT(i + 1));
       accT(i) *= 0.f;  // not a constant: the accumulator keeps its own registers (Y^T is finite)
@@ -576,7 +710,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       rX16(i + 1) = H(accT(i + 1) * ek.y);
     }
     CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) *= f[half_of(i)] * eG;
+    for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
     QLA_PHASE(5);
     Tensor rKs = thrS.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_MN{}), Shape<_128, _64>{}, make_coord(0, 0)));
     warpgroup_fence_operand(rX16);
@@ -591,22 +725,8 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     const int ob_i = c % Cfg::kOBufs, ob_use = c / Cfg::kOBufs;
     if (ob_use >= 1) mbar_wait(&ofree[ob_i], (ob_use - 1) & 1);
     {
-      const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
-      const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
       const uint32_t sO = smem_u32(sm + Cfg::kO) + (ob_i * kC * Cfg::kOPitch + 64 * mw) * 2;
-      CUTE_UNROLL
-      for (int tb = 0; tb < 8; tb += 2) {  // tokens 8 tb .. 8 tb + 15: accumulators 32 + 4 tb .. + 7
-        uint32_t r[4];
-        CUTE_UNROLL
-        for (int q = 0; q < 4; ++q) {
-          const int i = kHalf + 4 * tb + 2 * q;
-          const float2 it = inv_tok[(i - kHalf) >> 2];  // per token: elements 4 k .. 4 k + 3 share a pair
-          r[q] = pack2<T>(accT(i) * (inv[half_of(i)] * it.x), accT(i + 1) * (inv[half_of(i)] * it.y));
-        }
-        // Lane l addresses row l % 8 of block l / 8 = (v half mtx & 1, token block tb + mtx / 2).
-        const int tok = 8 * (tb + (mtx >> 1)) + (lane & 7), v = 16 * w + 8 * (mtx & 1);
-        stmatrix_t4(sO + (tok * Cfg::kOPitch + v) * 2, r[0], r[1], r[2], r[3]);
-      }
+      stage_o_trans<T, kHalf>(accT, esc, inv_tok, wt, [&](int tok, int v) { return sO + (tok * Cfg::kOPitch + v) * 2; });
     }
     mbar_arrive(&oready[ob_i]);
     QLA_PHASE(6);
@@ -617,18 +737,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   }
   QLA_PHASES_PRINT("math (wait, units + S16, [Y|P], Z, [U|O], X + scale, O out, S^T)", 8, nch);
 
-  const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
-  if (role.end == kEndFinal && p.hT) {
-    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) {
-      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
-      p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i) * inv[half_of(i)];
-    }
-  } else if (role.end == kEndMaps) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))] = accS(i) * inv[half_of(i)];
-  }
+  store_leaving_state(p, role.end, n, hv, v0, maps, accS, cS, esc);
 }
 
 }  // namespace

@@ -44,6 +44,9 @@
 #include "inverse.cuh"
 #include "recurrence.cuh"
 #include "fused_chunks.cuh"
+#ifdef QLA_SM90_TEST_HOOKS
+#include "fused_factored.cuh"  // under test: not in the library until measured
+#endif
 #include "split.cuh"
 #include "host_util.cuh"
 
@@ -63,6 +66,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
+int g_test_fused_form = 0;  // test builds only: 1 runs V tile 128 in the factored transfer form (fused_factored.cuh)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -244,6 +248,10 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
+#ifdef QLA_SM90_TEST_HOOKS
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_factored)");
+#endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -368,6 +376,12 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
+#ifdef QLA_SM90_TEST_HOOKS
+    if (vt128 && g_test_fused_form == 1)
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T>, grid, dim3(FactoredCfg::kThreads), FactoredCfg::kSmem, stream, rp),
+                   "launch gdn_fwd_factored");
+    else
+#endif
     if (vt128)
       QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2>, grid, dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem,
                                  stream, rp),
@@ -514,6 +528,7 @@ void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
+void set_test_fused_form(int form) { g_test_fused_form = form; }
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

@@ -4,7 +4,8 @@
 // ::TokV_K) is byte-identical to that operand (RecLay<T, 32>::VD_MN, ::VTok_MN), and the
 // gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
 // of the sequential passes' longest-first launch order (order_bucket), and the split forward's
-// pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds).
+// pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds), and the
+// factored recurrence's O staging swizzle (o_stage_at).
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -100,6 +101,28 @@ int piece_violations() {
   }
   return bad;
 }
+// The factored recurrence's O staging (o_stage_at): a permutation of each token's 128 columns,
+// and conflict-free for its writers and readers: the 8 rows of one stmatrix matrix (tokens
+// 8 m .. 8 m + 7, one 16-byte chunk) and the store threads' 16-byte reads of one row fall in
+// distinct 16-byte bank groups (bank group = byte offset / 16 mod 8).
+int o_stage_violations() {
+  int bad = 0;
+  for (int tok = 0; tok < kC; ++tok) {
+    std::vector<int> seen(128, 0);
+    for (int v = 0; v < 128; ++v) {
+      const int e = o_stage_at(tok, v) - tok * 128;
+      if (e < 0 || e >= 128 || seen[e]++) ++bad;
+      if (v % 8 && o_stage_at(tok, v) != o_stage_at(tok, v - 1) + 1) ++bad;  // 8 v contiguous
+    }
+  }
+  for (int m = 0; m < kC / 8; ++m)
+    for (int ch = 0; ch < 16; ++ch) {
+      unsigned groups = 0;
+      for (int r = 0; r < 8; ++r) groups |= 1u << ((o_stage_at(8 * m + r, 8 * ch) * 2 / 16) % 8);
+      if (groups != 0xffu) ++bad;
+    }
+  return bad;
+}
 }  // namespace
 
 int main() {
@@ -110,7 +133,9 @@ int main() {
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();
-  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d\n",
-              bf, fp, key, pcs);
-  return bf == 0 && fp == 0 && key == 0 && pcs == 0 ? 0 : 1;
+  const int ost = o_stage_violations();
+  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d; "
+              "O staging violations %d\n",
+              bf, fp, key, pcs, ost);
+  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && ost == 0 ? 0 : 1;
 }
