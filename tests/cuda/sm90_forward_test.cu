@@ -9,7 +9,9 @@
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
 // beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
 // with the hooks it also times table + prep alone. --profile runs one forward of a bench row and
-// nothing else (for ncu).
+// nothing else (for ncu). --factored-bench (hooks) times V tile 128 in both forms of the fused
+// recurrence (gdn_fwd_chunks, fused_factored.cuh) on the bench rows; QLA_TEST_FUSED_FACTORED=1
+// makes every V-tile-128 run of the other modes (--fused's suites among them) the factored form.
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -733,7 +735,7 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
-  bool do_split = false, do_fused_skip = false, do_short = false;
+  bool do_split = false, do_fused_skip = false, do_short = false, do_factored = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
@@ -742,6 +744,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--split") do_split = true;
     if (std::string(argv[i]) == "--fused-skip-bench") do_fused_skip = true;
     if (std::string(argv[i]) == "--short-bench") do_short = true;
+    if (std::string(argv[i]) == "--factored-bench") do_factored = true;
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
@@ -937,6 +940,23 @@ int main(int argc, char** argv) {
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
     }
+  }
+  if (do_factored) {
+    // The fused recurrence at V tile 128 in its two forms, side by side on the bench rows, each
+    // row alternating v2 (gdn_fwd_chunks) and the factored form (fused_factored.cuh) twice.
+    qla::sm90::set_test_fused(128);
+    for (const Case& c : bench_rows()) {
+      double t[2] = {1e30, 1e30};
+      for (int rep = 0; rep < 2; ++rep)
+        for (int form = 0; form < 2; ++form) {
+          qla::sm90::set_test_fused_form(form);
+          t[form] = std::min(t[form], bench(c, stream));
+        }
+      std::printf("bench-factored %-30s V tile 128 v2 %.3f ms  factored %.3f ms (%.3f)\n", c.name.c_str(), t[0] * 1e3,
+                  t[1] * 1e3, t[1] / t[0]);
+    }
+    qla::sm90::set_test_fused_form(std::getenv("QLA_TEST_FUSED_FACTORED") ? 1 : 0);
+    qla::sm90::set_test_fused(0);
   }
   if (do_short) {
     // The grid's few-pair short rows (under 128 chunks, around the dispatch's pair threshold
