@@ -190,20 +190,41 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
   return r;
 }
 // Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
-// the warpgroups of the grid's first CTA, averaged over its chunks (regions) and printed at exit.
+// the warpgroups of the grid's first CTA, averaged over its chunks (regions), kept as records in
+// device memory and printed by print_phase_records (the test hook test_print_phases). Not by a
+// printf in the kernel: a call there serializes every wgmma of the kernel (ptxas C7510), which
+// is what the timers of 2026-12-01 and before measured.
 // QLA_PHASE_ARGS / QLA_PHASE_PASS carry the timers into a device function.
 #ifdef QLA_FUSED_PROFILE
+struct PhaseRecord {
+  const char* what;
+  int wg;
+  long long t[8];
+};
+constexpr int kPhaseRecords = 64;
+__device__ PhaseRecord g_phase_records[kPhaseRecords];
+__device__ int g_phase_count;
 #define QLA_PHASES(n) long long ph_t[n] = {}; long long ph_p = clock64()
 #define QLA_PHASE(k) do { const long long t_ = clock64(); ph_t[k] += t_ - ph_p; ph_p = t_; } while (0)
-#define QLA_PHASES_PRINT(what, n, nch)                                                                  \
+#define QLA_PHASES_PRINT(what_, n, nch)                                                                 \
   do {                                                                                                  \
     if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
-      long long a_[8] = {};                                                                             \
-      for (int k_ = 0; k_ < (n); ++k_) a_[k_] = ph_t[k_] / (nch);                                       \
-      printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", what,      \
-             int(threadIdx.x >> 7), a_[0], a_[1], a_[2], a_[3], a_[4], a_[5], a_[6], a_[7]);           \
+      const int r_ = atomicAdd(&g_phase_count, 1);                                                      \
+      if (r_ < kPhaseRecords) {                                                                         \
+        g_phase_records[r_].what = what_;                                                               \
+        g_phase_records[r_].wg = int(threadIdx.x >> 7);                                                 \
+        for (int k_ = 0; k_ < 8; ++k_) g_phase_records[r_].t[k_] = k_ < (n) ? ph_t[k_] / (nch) : 0;     \
+      }                                                                                                 \
     }                                                                                                   \
   } while (0)
+__global__ void print_phase_records() {
+  for (int r = 0; r < min(g_phase_count, kPhaseRecords); ++r) {
+    const PhaseRecord& x = g_phase_records[r];
+    printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", x.what, x.wg, x.t[0], x.t[1],
+           x.t[2], x.t[3], x.t[4], x.t[5], x.t[6], x.t[7]);
+  }
+  g_phase_count = 0;
+}
 #define QLA_PHASE_ARGS , long long* ph_t, long long& ph_p
 #define QLA_PHASE_PASS , ph_t, ph_p
 #else

@@ -529,6 +529,12 @@ void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_fused_form(int form) { g_test_fused_form = form; }
+#ifdef QLA_FUSED_PROFILE
+void test_print_phases() {  // the phase records of the kernels run since the last call
+  print_phase_records<<<1, 1>>>();
+  cudaDeviceSynchronize();
+}
+#endif
 Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   Status s = check_supported(p);
   if (!s.ok()) return s;

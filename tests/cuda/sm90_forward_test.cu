@@ -41,6 +41,9 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_fused_form(int form);  // 1: V tile 128 in the factored transfer form (fused_factored.cuh)
+#ifdef QLA_FUSED_PROFILE
+void test_print_phases();  // prints the phase timers' records (and clears them)
+#endif
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
@@ -772,6 +775,9 @@ int main(int argc, char** argv) {
     bench_inputs(P, D);
     qla::Status s = qla::sm90::forward(D.p);
     CK(cudaStreamSynchronize(stream));
+#if defined(QLA_SM90_TEST_HOOKS) && defined(QLA_FUSED_PROFILE)
+    qla::sm90::test_print_phases();
+#endif
     std::printf("profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
     free_dev(D);
     return s.ok() ? 0 : 1;
