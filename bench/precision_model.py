@@ -175,6 +175,89 @@ def emulate_factored(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
     return _run_chunks(q, k, v, g, beta, h0, scale, out_dtype, step)
 
 
+def _exp2i(e):
+    return torch.exp2(torch.as_tensor(e, dtype=torch.float32))
+
+
+def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
+    """gdn_fwd_factored's chunk step with its power-of-two units (src/sm90/fused_factored.cuh):
+    per-token exponents ek, eq of K and Q (row norms near 1), the image exponent et, O's extra
+    dl, the per-row units of S^T and V^T; every fp16 operand rounded by torch (overflow gives inf).
+    Checks the units' algebra and range on inputs far from unit norm, not only the rounding."""
+    T, HV, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    es = max(0, int(torch.floor(torch.log2(torch.tensor(scale)))) + 1) if scale > 0 else 0
+    r = lambda x: x.to(torch.float16).float()
+    S = h0.float().clone().transpose(1, 2).contiguous()  # S^T [HV, v, d], row v in units 2^esc
+    esc = torch.zeros(HV, S.shape[1])
+    o = torch.empty(T, HV, v.shape[-1])
+    C = 64
+    flo = lambda x: torch.floor(torch.log2(x))
+    for c0 in range(0, T, C):
+        c1 = min(T, c0 + C)
+        Qc, Kc, Vc, gam, Gam, Tu, A, _ = _chunk_parts(q, k, v, g, beta, c0, c1, scale) + (scale,)
+        bc = beta[c0:c1].t().float()
+        kk, qq = (Kc * Kc).sum(-1), (Qc * Qc).sum(-1)
+        ek = torch.where(kk > 0, -torch.div(flo(2 * kk), 2, rounding_mode="floor"), torch.zeros_like(kk)).clamp(-30, 30)
+        eq = torch.where(qq > 0, -torch.div(flo(2 * qq), 2, rounding_mode="floor"), torch.zeros_like(qq)).clamp(-30, 30)
+        bmax = (bc.abs() * _exp2i(-ek)).amax(-1)
+        et = torch.where(bmax > 0, (-1 - flo(bmax)).clamp(-30, 30), torch.zeros_like(bmax))[:, None]  # [HV, 1]
+        dl = torch.clamp(12 - et - es, max=0)
+        kn = torch.clamp(_exp2i(-ek).amax(-1), min=1)[:, None]
+        Kp, Qp = r(_exp2i(ek)[..., None] * Kc), r(_exp2i(eq)[..., None] * Qc)
+        Tup = r(_exp2i(et)[..., None] * _exp2i(-ek)[..., None] * Tu)  # the image: 2^et diag(2^-ek) Tu
+        eg, egk = gam.exp(), (Gam - gam).exp()
+        EgZ, EgP = eg * _exp2i(-ek), scale * eg * _exp2i(et + dl)
+        InvTok = _exp2i(-(eq + et + dl))
+        Ap = scale * torch.where(torch.tril(torch.ones(c1 - c0, c1 - c0, dtype=torch.bool)),
+                                 gam[:, :, None] - gam[:, None, :], torch.full_like(A, -torch.inf)).exp() * (Qp @ Kp.transpose(1, 2))
+        Wp = r(Ap) @ Tup                                              # W' (fp32 accumulator)
+        W2 = r(_exp2i(dl)[..., None] * Wp)                            # W'' image
+        G2 = r(EgP[..., None] * Qp + r(-_exp2i(dl)[..., None] * Wp * EgZ[:, None, :]) @ Kp)
+        Tu2 = r(egk[..., None] * Tup)                                 # Tu'' = D2 Tu' in place of Tu'
+        F2 = r(r(-Tu2 * EgZ[:, None, :]) @ Kp)                        # -F' (2^et F: Tu''s range)
+        # row units (chunk_units): max |S| kn and max |V| 2^esc over the row
+        m = S.abs().amax(-1) * kn
+        mv = Vc.float().abs().amax(1) * _exp2i(esc)
+        mm = torch.maximum(m, mv)
+        ex = flo(torch.where(mm > 0, mm, torch.ones_like(mm)))
+        de = torch.where((mm > 0) & ((ex < 6) | (ex >= 10)), (8 - ex).clamp(-126, 127), torch.zeros_like(ex))
+        ne = (esc + de).clamp(-120, 120)
+        f = _exp2i(ne - esc)
+        esc = ne
+        S16 = r(S * f[..., None])
+        V16 = r(Vc.float().transpose(1, 2) * _exp2i(esc)[..., None])  # V^T [HV, v, tok]
+        X = r((V16 @ Tu2.transpose(1, 2) + S16 @ F2.transpose(1, 2)) * _exp2i(-et)[..., None])  # X'^T [HV, v, tok]
+        O2 = S16 @ G2.transpose(1, 2) + V16 @ W2.transpose(1, 2)      # O''^T
+        S = S * f[..., None] * Gam.exp()[:, :, None] + X @ Kp
+        o[c0:c1] = (O2 * _exp2i(-esc)[..., None] * InvTok[:, None, :]).permute(2, 0, 1)
+    return o.to(out_dtype).float(), (S * _exp2i(-esc)[..., None]).transpose(1, 2)
+
+
+def kernel_units_study(T) -> None:
+    """emulate_factored_kernel against the exact recurrence on the harness's range cases
+    (tests/cuda/sm90_forward_test.cu): unit keys, |q| = |k| = 2^10 and 2^-12 (beta / max(1,
+    |k|^2), as there), tiny beta (a chunk's beta near 1e-7: large et), large v and h0."""
+    print("| case | o | state |")
+    print("|---|---|---|")
+    for name, qn, kn_, bmul, vmag, hmag, gate in (("unit q, k", 1, 1, 1, 1, 1, "standard"),
+                                                  ("strong decay", 1, 1, 1, 1, 1, "strong"),
+                                                  ("|q| = |k| = 2^10", 2 ** 10, 2 ** 10, 1, 1, 1, "standard"),
+                                                  ("|q| = |k| = 2^-12", 2 ** -12, 2 ** -12, 1, 1, 1, "standard"),
+                                                  ("beta ~ 1e-7", 1, 1, 1e-7, 1, 1, "zero"),
+                                                  ("beta ~ 1e-7, h0 = 0", 1, 1, 1e-7, 1, 0, "zero"),
+                                                  ("|v| ~ 1e5, |h0| ~ 1e6", 1, 1, 1, 1e5, 1e6, "standard")):
+        q, k, v, g, beta, h0 = make_case(T, 2, gate, 11)
+        q = (q.float() * qn).to(q.dtype)
+        k = (k.float() * kn_).to(k.dtype)
+        beta = (beta.float() * bmul / max(1.0, kn_ * kn_)).to(beta.dtype)
+        v = (v.float() * vmag).to(v.dtype)
+        h0 = h0 * hmag
+        ro, rh = exact(q, k, v, g, beta, h0)
+        o, h = emulate_factored_kernel(q, k, v, g, beta, h0)
+        print(f"| {name} | {rel(o, ro):.2e} | {rel(h, rh):.2e} |", flush=True)
+
+
 def _tf32(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 to tf32 (10 mantissa bits, round to nearest even on the 13 dropped bits)."""
     i = x.float().contiguous().view(torch.int32)
@@ -302,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inverse", action="store_true", help="only the chunk inverse study (fp32 vs tf32 products)")
     ap.add_argument("--transfer", action="store_true", help="also the transfer form (emulate_transfer), fp16 operands")
     ap.add_argument("--factored", action="store_true", help="also the factored transfer form (emulate_factored), fp16")
+    ap.add_argument("--kernel-units", action="store_true",
+                    help="only gdn_fwd_factored's units on inputs far from unit norm (emulate_factored_kernel)")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     names = list(SCHEMES)
@@ -310,6 +395,9 @@ def main(argv=None) -> int:
     cases = [(f"{gate} T={args.T}", args.T, gate, seed) for seed, gate in enumerate(("standard", "strong", "zero"))]
     if args.inverse:
         inverse_study(cases)
+        return 0
+    if args.kernel_units:
+        kernel_units_study(args.T)
         return 0
     if args.long:
         cases.append((f"zero T={args.long}", args.long, "zero", 7))

@@ -77,6 +77,7 @@ struct Case {
   bool cu64 = false;
   float scale = 0.f;  // 0: K^-0.5
   float vmag = 1.f, hmag = 1.f;  // scale of v and h0 (the fused forward's fp16 range handling)
+  float bmag = 1.f;  // scale of beta (tiny beta: the inverse image's exponent et large)
   // Norms of q and k (l2-normalised rows times these; spread: each token's times 2^U(-8, 8)),
   // with beta divided by max(1, |k|^2) so that the recurrence stays stable (beta |k|^2 <= 1).
   float qnorm = 1.f, knorm = 1.f;
@@ -150,7 +151,7 @@ static void make_inputs(Problem& P, uint64_t seed) {
     double k2 = 0;
     for (int d = 0; d < K; ++d) k2 += double(P.k[(t * c.H + hq) * K + d]) * P.k[(t * c.H + hq) * K + d];
     const double div = c.knorm != 1.f || c.spread ? std::max(1.0, k2) : 1.0;  // the other cases: as before
-    P.beta[i] = roundto(float(1.0 / (1.0 + std::exp(-nd(rng))) / div), c.gdt);
+    P.beta[i] = roundto(float(c.bmag / (1.0 + std::exp(-nd(rng))) / div), c.gdt);
   }
   P.h0.assign(c.h0 ? P.N * c.HV * K * V : 0, 0.f);
   for (auto& x : P.h0) x = c.hmag * nd(rng);
@@ -824,6 +825,12 @@ int main(int argc, char** argv) {
   { Case c; c.name = "small q, k (|k| 2^-12)"; c.B = 1; c.T = 300; c.H = 1; c.HV = 2; c.qnorm = 1.f / 4096;
     c.knorm = 1.f / 4096; cases.push_back(c); }
   { Case c; c.name = "spread q, k norms (2^+-8)"; c.B = 2; c.T = 200; c.H = 1; c.HV = 2; c.spread = true;
+    cases.push_back(c); }
+  // Tiny beta (et ~ 23): the factored recurrence's dl and Tu'' range; with no h0, S ~ beta V
+  // (precision_model.py --kernel-units predicts o 3.95e-3 for the factored form there).
+  { Case c; c.name = "tiny beta (1e-7), no h0"; c.lens = {300, 64}; c.H = 1; c.HV = 2; c.bmag = 1e-7f; c.h0 = false;
+    cases.push_back(c); }
+  { Case c; c.name = "tiny beta (1e-7), h0"; c.B = 1; c.T = 257; c.H = 1; c.HV = 2; c.bmag = 1e-7f; c.gmode = 2;
     cases.push_back(c); }
   { Case c; c.name = "300 short seqs, every 9th empty";  // the inverse kernel's sequence search over many sequences
     for (int i = 0; i < 300; ++i) c.lens.push_back(i % 9 == 0 ? 0 : (i * 37) % 200 + 1);
