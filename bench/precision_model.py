@@ -202,7 +202,7 @@ def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bf
         eq = torch.where(qq > 0, -torch.div(flo(2 * qq), 2, rounding_mode="floor"), torch.zeros_like(qq)).clamp(-30, 30)
         bmax = (bc.abs() * _exp2i(-ek)).amax(-1)
         et = torch.where(bmax > 0, (-1 - flo(bmax)).clamp(-30, 30), torch.zeros_like(bmax))[:, None]  # [HV, 1]
-        dl = torch.clamp(12 - et - es, max=0)
+        dl = torch.clamp(13 - et - es, max=0)
         kn = torch.clamp(_exp2i(-ek).amax(-1), min=1)[:, None]
         Kp, Qp = r(_exp2i(ek)[..., None] * Kc), r(_exp2i(eq)[..., None] * Qc)
         Tup = r(_exp2i(et)[..., None] * _exp2i(-ek)[..., None] * Tu)  # the image: 2^et diag(2^-ek) Tu
@@ -216,12 +216,13 @@ def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bf
         G2 = r(EgP[..., None] * Qp + r(-_exp2i(dl)[..., None] * Wp * EgZ[:, None, :]) @ Kp)
         Tu2 = r(egk[..., None] * Tup)                                 # Tu'' = D2 Tu' in place of Tu'
         F2 = r(r(-Tu2 * EgZ[:, None, :]) @ Kp)                        # -F' (2^et F: Tu''s range)
-        # row units (chunk_units): max |S| kn and max |V| 2^esc over the row
+        # row units (chunk_units): max |S| kn and max |V| 2^esc over the row, in [2^(6 + wsh), 2^(10 + wsh))
         m = S.abs().amax(-1) * kn
         mv = Vc.float().abs().amax(1) * _exp2i(esc)
         mm = torch.maximum(m, mv)
         ex = flo(torch.where(mm > 0, mm, torch.ones_like(mm)))
-        de = torch.where((mm > 0) & ((ex < 6) | (ex >= 10)), (8 - ex).clamp(-126, 127), torch.zeros_like(ex))
+        wsh = torch.clamp(et - 1, 0, 4)  # the window's shift in chunks of small beta (X ~ beta V)
+        de = torch.where((mm > 0) & ((ex < 6 + wsh) | (ex >= 10 + wsh)), (8 + wsh - ex).clamp(-126, 127), torch.zeros_like(ex))
         ne = (esc + de).clamp(-120, 120)
         f = _exp2i(ne - esc)
         esc = ne
@@ -246,6 +247,8 @@ def kernel_units_study(T) -> None:
                                                   ("|q| = |k| = 2^-12", 2 ** -12, 2 ** -12, 1, 1, 1, "standard"),
                                                   ("beta ~ 1e-7", 1, 1, 1e-7, 1, 1, "zero"),
                                                   ("beta ~ 1e-7, h0 = 0", 1, 1, 1e-7, 1, 0, "zero"),
+                                                  ("beta ~ 0.01, h0 = 0", 1, 1, 1e-2, 1, 0, "standard"),
+                                                  ("beta in (0, 2) (negative eigenvalues)", 1, 1, 2, 1, 1, "zero"),
                                                   ("|v| ~ 1e5, |h0| ~ 1e6", 1, 1, 1, 1e5, 1e6, "standard")):
         q, k, v, g, beta, h0 = make_case(T, 2, gate, 11)
         q = (q.float() * qn).to(q.dtype)

@@ -382,11 +382,12 @@ __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end,
 
 // Row v's units for a chunk (see the top of this file), from max |S| (current units) and max |V|
 // (raw, this thread's V^T pairs vp) over the four threads of a quad (they share rows); kn bounds
-// the chunk's key norms. Leaves rS16 = the fp16 copy of S^T in the new units, f = new / old
-// units and sc = the new units per row half, esc updated.
+// the chunk's key norms. The row max is kept in [2^(6 + wsh), 2^(10 + wsh)) (wsh: 0 here;
+// fused_factored.cuh raises it in chunks of small beta). Leaves rS16 = the fp16 copy of S^T in
+// the new units, f = new / old units and sc = the new units per row half, esc updated.
 template <class T, class AccS, class S16>
 __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const uint32_t (&vp)[16], float kn, int (&esc)[2],
-                                            float (&f)[2], float (&sc)[2]) {
+                                            float (&f)[2], float (&sc)[2], int wsh = 0) {
   using H = cutlass::half_t;
   float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
   CUTE_UNROLL
@@ -412,7 +413,7 @@ __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const u
     // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
     // <= sqrt(2) kn sqrt(128) |S|max < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
     const int ex = float_exponent(mm);
-    const int de = mm > 0.f && (ex < 6 || ex >= 10) ? max(-126, min(127, 8 - ex)) : 0;
+    const int de = mm > 0.f && (ex < 6 + wsh || ex >= 10 + wsh) ? max(-126, min(127, 8 + wsh - ex)) : 0;
     const int ne = max(-120, min(120, esc[h] + de));
     f[h] = pow2i(ne - esc[h]);
     esc[h] = ne;

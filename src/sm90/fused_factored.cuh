@@ -18,9 +18,11 @@
 // 2^-et off X (an fp32 multiply before its fp16 copy, as gdn_fwd_chunks does for its X), so X'^T
 // carries 2^-ek per token and X'^T K' is S's update. O carries 2^(eq + et + dl) per token: W'' =
 // 2^dl W' (W' = 2^(eq + et) W from Q', K', Tu') and G'' = diag(scale e^gamma 2^(et + dl)) Q' -
-// W'' diag(e^gamma 2^-ek) K', with dl <= 0 chosen per chunk so that G'' stays below 2^13 when et
-// is large (small beta); dl = 0 for unit keys with some beta >= 1/2. precision_model.py
-// --kernel-units checks these units on inputs far from unit norm and on beta ~ 1e-7.
+// W'' diag(e^gamma 2^-ek) K', with dl <= 0 chosen per chunk so that G'' stays below 2^14 when et
+// is large (small beta); dl = 0 for unit keys with some beta >= 1/2. In such chunks the row
+// units' window also moves up (up to 2^4), since X ~ beta V would otherwise fall to fp16
+// subnormals when S ~ beta V (no h0). precision_model.py --kernel-units checks these units on
+// inputs far from unit norm and on small beta.
 // Precision (bench/precision_model.py --factored): o 1.73e-3, state 4.30e-4 over the benchmark,
 // strong-decay and g = 0 cases (v2: 1.74e-3 / 4.79e-4).
 //
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
     auto mmaH = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = K' as (d, tok)
     auto thrH = mmaH.get_thread_slice(wt);
-    // G'' stays below 2^13 when scale < 2^es.
+    // G'' stays below 2^14 when scale < 2^es.
     const int es = max(0, float_exponent(p.scale) + 1);
     QLA_PHASES(8);  // wait, exponents, conversion, factors, Q K^T, A and W, G, F
     for (int c = 0; c < nch; ++c) {
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
       Tensor accH = partition_fragment_C(mmaH, Shape<_64, _64>{});  // 64 columns of G'', then of -F'
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      const int dl = min(0, 12 - tu_exp_of<Cfg>(stb) - es);
+      const int dl = min(0, 13 - tu_exp_of<Cfg>(stb) - es);
       aux_convert_qk<T, Cfg>(p, stb, wt, dl QLA_PHASE_PASS);
       QLA_PHASE(3);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
@@ -306,8 +308,11 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
     const float kn = sG[(kInvKn - kInvGam) / 4];  // bounds the chunk's key norms (>= 1)
     uint32_t vp[16];  // this thread's V^T pairs
     load_vt_pairs(sV, wt, vp);
+    // In a chunk of small beta (et > 1) X ~ beta V: the row units may go up to 2^4 higher, which
+    // keeps X out of fp16's subnormals while S, V and X stay below 2^15.
+    const int et = tu_exp_of<Cfg>(stb);
     float f[2], sc[2];  // this chunk's change of units, and its units
-    chunk_units<T>(accS, rS16, vp, kn, esc, f, sc);
+    chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, et - 1)));
     CUTE_UNROLL
     for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1
       const float2 vv = unpack2<T>(vp[k]);
@@ -332,7 +337,7 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
     warpgroup_fence_operand(accX);
     mbar_arrive(&fdone[c & 1]);  // this thread's reads of F' are done
     QLA_PHASE(2);
-    const float inv_et = pow2i(-tu_exp_of<Cfg>(stb));
+    const float inv_et = pow2i(-et);
     CUTE_UNROLL
     for (int i = 0; i < size(accX); ++i) rX16(i) = H(accX(i) * inv_et);
     CUTE_UNROLL
