@@ -179,68 +179,110 @@ def _exp2i(e):
     return torch.exp2(torch.as_tensor(e, dtype=torch.float32))
 
 
-def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
-    """gdn_fwd_factored's chunk step with its power-of-two units (src/sm90/fused_factored.cuh):
-    per-token exponents ek, eq of K and Q (row norms near 1), the image exponent et, O's extra
-    dl, the per-row units of S^T and V^T; every fp16 operand rounded by torch (overflow gives inf).
-    Checks the units' algebra and range on inputs far from unit norm, not only the rounding."""
+def _kernel_chunk(q, k, v, g, beta, c0, c1, scale, r):
+    """What both fused recurrence kernels take from a chunk, with the inverse kernel's per-token
+    exponents ek, eq (row norms of k, q near 1) and image exponent et: K', Q', the Tu' image,
+    the gates, A' (fp32, from K', Q') and kn (inverse.cuh; fused_chunks.cuh)."""
+    Qc, Kc, Vc, gam, Gam, Tu, A = _chunk_parts(q, k, v, g, beta, c0, c1, scale)
+    flo = lambda x: torch.floor(torch.log2(x))
+    bc = beta[c0:c1].t().float()
+    kk, qq = (Kc * Kc).sum(-1), (Qc * Qc).sum(-1)
+    ek = torch.where(kk > 0, -torch.div(flo(2 * kk), 2, rounding_mode="floor"), torch.zeros_like(kk)).clamp(-30, 30)
+    eq = torch.where(qq > 0, -torch.div(flo(2 * qq), 2, rounding_mode="floor"), torch.zeros_like(qq)).clamp(-30, 30)
+    bmax = (bc.abs() * _exp2i(-ek)).amax(-1)
+    et = torch.where(bmax > 0, (-1 - flo(bmax)).clamp(-30, 30), torch.zeros_like(bmax))[:, None]  # [HV, 1]
+    kn = torch.clamp(_exp2i(-ek).amax(-1), min=1)[:, None]
+    Kp, Qp = r(_exp2i(ek)[..., None] * Kc), r(_exp2i(eq)[..., None] * Qc)
+    Tup = r(_exp2i(et)[..., None] * _exp2i(-ek)[..., None] * Tu)  # the image: 2^et diag(2^-ek) Tu
+    n = c1 - c0
+    Ap = scale * torch.where(torch.tril(torch.ones(n, n, dtype=torch.bool)), gam[:, :, None] - gam[:, None, :],
+                             torch.full_like(A, -torch.inf)).exp() * (Qp @ Kp.transpose(1, 2))
+    return dict(Vc=Vc, gam=gam, Gam=Gam, ek=ek, eq=eq, et=et, kn=kn, Kp=Kp, Qp=Qp, Tup=Tup, Ap=Ap,
+                eg=gam.exp(), egk=(Gam - gam).exp())
+
+
+def _row_units(S, Vc, esc, kn, wsh):
+    """chunk_units: the rows' units from max |S| kn and max |V| 2^esc, kept in [2^(6 + wsh),
+    2^(10 + wsh)). Returns (f = new / old units, new esc)."""
+    m = S.abs().amax(-1) * kn
+    mm = torch.maximum(m, Vc.float().abs().amax(1) * _exp2i(esc))
+    ex = torch.floor(torch.log2(torch.where(mm > 0, mm, torch.ones_like(mm))))
+    de = torch.where((mm > 0) & ((ex < 6 + wsh) | (ex >= 10 + wsh)), (8 + wsh - ex).clamp(-126, 127), torch.zeros_like(ex))
+    ne = (esc + de).clamp(-120, 120)
+    return _exp2i(ne - esc), ne
+
+
+def _emulate_kernel(q, k, v, g, beta, h0, step, scale=None, out_dtype=torch.bfloat16):
+    """The chunk loop of a kernel emulation with units: S^T [HV, v, d] in row units 2^esc;
+    step(ch, S, esc, scale, r) -> (O^T in true units [HV, v, n], S^T, esc)."""
     T, HV, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    es = max(0, int(torch.floor(torch.log2(torch.tensor(scale)))) + 1) if scale > 0 else 0
-    r = lambda x: x.to(torch.float16).float()
-    S = h0.float().clone().transpose(1, 2).contiguous()  # S^T [HV, v, d], row v in units 2^esc
+    r = lambda x: x.to(torch.float16).float()  # fp16 operands; overflow gives inf
+    S = h0.float().clone().transpose(1, 2).contiguous()
     esc = torch.zeros(HV, S.shape[1])
     o = torch.empty(T, HV, v.shape[-1])
-    C = 64
-    flo = lambda x: torch.floor(torch.log2(x))
-    for c0 in range(0, T, C):
-        c1 = min(T, c0 + C)
-        Qc, Kc, Vc, gam, Gam, Tu, A, _ = _chunk_parts(q, k, v, g, beta, c0, c1, scale) + (scale,)
-        bc = beta[c0:c1].t().float()
-        kk, qq = (Kc * Kc).sum(-1), (Qc * Qc).sum(-1)
-        ek = torch.where(kk > 0, -torch.div(flo(2 * kk), 2, rounding_mode="floor"), torch.zeros_like(kk)).clamp(-30, 30)
-        eq = torch.where(qq > 0, -torch.div(flo(2 * qq), 2, rounding_mode="floor"), torch.zeros_like(qq)).clamp(-30, 30)
-        bmax = (bc.abs() * _exp2i(-ek)).amax(-1)
-        et = torch.where(bmax > 0, (-1 - flo(bmax)).clamp(-30, 30), torch.zeros_like(bmax))[:, None]  # [HV, 1]
+    for c0 in range(0, T, 64):
+        c1 = min(T, c0 + 64)
+        Ot, S, esc = step(_kernel_chunk(q, k, v, g, beta, c0, c1, scale, r), S, esc, scale, r)
+        o[c0:c1] = Ot.permute(2, 0, 1)
+    return o.to(out_dtype).float(), (S * _exp2i(-esc)[..., None]).transpose(1, 2)
+
+
+def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
+    """gdn_fwd_factored's chunk step with its power-of-two units (src/sm90/fused_factored.cuh):
+    per-token exponents of K and Q, the image exponent et, O's extra dl, the rows' units of S^T
+    and V^T with the window moved up in chunks of small beta; every fp16 operand rounded.
+    Checks the units' algebra and range on inputs far from unit norm, not only the rounding."""
+    def step(ch, S, esc, scale, r):
+        es = max(0, int(torch.floor(torch.log2(torch.tensor(scale)))) + 1) if scale > 0 else 0
+        et, Kp, Qp, Tup, eg, egk = ch["et"], ch["Kp"], ch["Qp"], ch["Tup"], ch["eg"], ch["egk"]
         dl = torch.clamp(13 - et - es, max=0)
-        kn = torch.clamp(_exp2i(-ek).amax(-1), min=1)[:, None]
-        Kp, Qp = r(_exp2i(ek)[..., None] * Kc), r(_exp2i(eq)[..., None] * Qc)
-        Tup = r(_exp2i(et)[..., None] * _exp2i(-ek)[..., None] * Tu)  # the image: 2^et diag(2^-ek) Tu
-        eg, egk = gam.exp(), (Gam - gam).exp()
-        EgZ, EgP = eg * _exp2i(-ek), scale * eg * _exp2i(et + dl)
-        InvTok = _exp2i(-(eq + et + dl))
-        Ap = scale * torch.where(torch.tril(torch.ones(c1 - c0, c1 - c0, dtype=torch.bool)),
-                                 gam[:, :, None] - gam[:, None, :], torch.full_like(A, -torch.inf)).exp() * (Qp @ Kp.transpose(1, 2))
-        Wp = r(Ap) @ Tup                                              # W' (fp32 accumulator)
+        EgZ, EgP = eg * _exp2i(-ch["ek"]), scale * eg * _exp2i(et + dl)
+        InvTok = _exp2i(-(ch["eq"] + et + dl))
+        Wp = r(ch["Ap"]) @ Tup                                        # W' (fp32 accumulator)
         W2 = r(_exp2i(dl)[..., None] * Wp)                            # W'' image
         G2 = r(EgP[..., None] * Qp + r(-_exp2i(dl)[..., None] * Wp * EgZ[:, None, :]) @ Kp)
         Tu2 = r(egk[..., None] * Tup)                                 # Tu'' = D2 Tu' in place of Tu'
         F2 = r(r(-Tu2 * EgZ[:, None, :]) @ Kp)                        # -F' (2^et F: Tu''s range)
-        # row units (chunk_units): max |S| kn and max |V| 2^esc over the row, in [2^(6 + wsh), 2^(10 + wsh))
-        m = S.abs().amax(-1) * kn
-        mv = Vc.float().abs().amax(1) * _exp2i(esc)
-        mm = torch.maximum(m, mv)
-        ex = flo(torch.where(mm > 0, mm, torch.ones_like(mm)))
-        wsh = torch.clamp(et - 1, 0, 4)  # the window's shift in chunks of small beta (X ~ beta V)
-        de = torch.where((mm > 0) & ((ex < 6 + wsh) | (ex >= 10 + wsh)), (8 + wsh - ex).clamp(-126, 127), torch.zeros_like(ex))
-        ne = (esc + de).clamp(-120, 120)
-        f = _exp2i(ne - esc)
-        esc = ne
+        f, esc = _row_units(S, ch["Vc"], esc, ch["kn"], torch.clamp(et - 1, 0, 4))
         S16 = r(S * f[..., None])
-        V16 = r(Vc.float().transpose(1, 2) * _exp2i(esc)[..., None])  # V^T [HV, v, tok]
-        X = r((V16 @ Tu2.transpose(1, 2) + S16 @ F2.transpose(1, 2)) * _exp2i(-et)[..., None])  # X'^T [HV, v, tok]
+        V16 = r(ch["Vc"].float().transpose(1, 2) * _exp2i(esc)[..., None])  # V^T [HV, v, tok]
+        X = r((V16 @ Tu2.transpose(1, 2) + S16 @ F2.transpose(1, 2)) * _exp2i(-et)[..., None])  # X'^T
         O2 = S16 @ G2.transpose(1, 2) + V16 @ W2.transpose(1, 2)      # O''^T
-        S = S * f[..., None] * Gam.exp()[:, :, None] + X @ Kp
-        o[c0:c1] = (O2 * _exp2i(-esc)[..., None] * InvTok[:, None, :]).permute(2, 0, 1)
-    return o.to(out_dtype).float(), (S * _exp2i(-esc)[..., None]).transpose(1, 2)
+        S = S * f[..., None] * ch["Gam"].exp()[:, :, None] + X @ Kp
+        return O2 * _exp2i(-esc)[..., None] * InvTok[:, None, :], S, esc
+
+    return _emulate_kernel(q, k, v, g, beta, h0, step, scale, out_dtype)
+
+
+def emulate_v2_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
+    """gdn_fwd_chunks' chunk step (v2, src/sm90/fused_chunks.cuh) with its units, as above:
+    [Y'|P'] = S16 [K'; Q']^T, Z = V16 - Y' e^gamma 2^-ek (fp16), [U'|O'] = [0 | P' scale e^gamma
+    2^et] + Z [Tu'; W']^T, X = U' e^(Gamma - gamma) 2^-et (fp16), S += X K'."""
+    def step(ch, S, esc, scale, r):
+        et, Kp, Qp, Tup, eg, egk = ch["et"], ch["Kp"], ch["Qp"], ch["Tup"], ch["eg"], ch["egk"]
+        EgZ, EgP, Egk = eg * _exp2i(-ch["ek"]), scale * eg * _exp2i(et), egk * _exp2i(-et)
+        InvTok = _exp2i(-(ch["eq"] + et))
+        W = r(r(ch["Ap"]) @ Tup)                                      # W' image
+        f, esc = _row_units(S, ch["Vc"], esc, ch["kn"], 0)
+        S16 = r(S * f[..., None])
+        Y, P = S16 @ Kp.transpose(1, 2), S16 @ Qp.transpose(1, 2)     # [HV, v, tok]
+        Z = r(ch["Vc"].float().transpose(1, 2) * _exp2i(esc)[..., None] - Y * EgZ[:, None, :])
+        U = Z @ Tup.transpose(1, 2)
+        O = P * EgP[:, None, :] + Z @ W.transpose(1, 2)
+        X = r(U * Egk[:, None, :])
+        S = S * f[..., None] * ch["Gam"].exp()[:, :, None] + X @ Kp
+        return O * _exp2i(-esc)[..., None] * InvTok[:, None, :], S, esc
+
+    return _emulate_kernel(q, k, v, g, beta, h0, step, scale, out_dtype)
 
 
 def kernel_units_study(T) -> None:
-    """emulate_factored_kernel against the exact recurrence on the harness's range cases
+    """emulate_factored_kernel and emulate_v2_kernel against the exact recurrence on the harness's range cases
     (tests/cuda/sm90_forward_test.cu): unit keys, |q| = |k| = 2^10 and 2^-12 (beta / max(1,
     |k|^2), as there), tiny beta (a chunk's beta near 1e-7: large et), large v and h0."""
-    print("| case | o | state |")
-    print("|---|---|---|")
+    print("| case | factored o | factored state | v2 o | v2 state |")
+    print("|---|---|---|---|---|")
     for name, qn, kn_, bmul, vmag, hmag, gate in (("unit q, k", 1, 1, 1, 1, 1, "standard"),
                                                   ("strong decay", 1, 1, 1, 1, 1, "strong"),
                                                   ("|q| = |k| = 2^10", 2 ** 10, 2 ** 10, 1, 1, 1, "standard"),
@@ -258,7 +300,8 @@ def kernel_units_study(T) -> None:
         h0 = h0 * hmag
         ro, rh = exact(q, k, v, g, beta, h0)
         o, h = emulate_factored_kernel(q, k, v, g, beta, h0)
-        print(f"| {name} | {rel(o, ro):.2e} | {rel(h, rh):.2e} |", flush=True)
+        o2, h2 = emulate_v2_kernel(q, k, v, g, beta, h0)
+        print(f"| {name} | {rel(o, ro):.2e} | {rel(h, rh):.2e} | {rel(o2, ro):.2e} | {rel(h2, rh):.2e} |", flush=True)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
