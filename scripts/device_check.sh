@@ -229,9 +229,9 @@ snap
 if want factored; then
   # The factored transfer form of the fused recurrence (fused_factored.cuh, docs/fused.md 7a),
   # from binaries built on the development machine (carry .ab): .ab/fact with
-  # -DQLA_SM90_TEST_HOOKS, .ab/fact_prof also with -DQLA_FUSED_PROFILE. Its suites (every V-tile-128
-  # run in the factored form), the two forms side by side, then both forms' phase timers on the
-  # unsplit 16/64 8192x4 row (bench row 3).
+  # -DQLA_SM90_TEST_HOOKS, .ab/fact_prof also with -DQLA_FUSED_PROFILE. Its suites (every fused
+  # run in the factored form, V tile 64 and 128), the two forms side by side at both V tiles, then
+  # both forms' phase timers on the unsplit 16/64 8192x4 row (bench row 3) at V tile 128.
   for mode in --fused --split ""; do
     echo "== factored suite ${mode:-default}"
     QLA_TEST_FUSED_FACTORED=1 timeout 240 .ab/fact $mode > "$LOGS/factored_suite${mode//-/_}.log" 2>&1

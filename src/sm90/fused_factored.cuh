@@ -1,6 +1,6 @@
 // The fused forward's recurrence in the factored transfer form (docs/fused.md section 7, v3b):
-// the same inputs and outputs as gdn_fwd_chunks at V tile 128 (fused_chunks.cuh), with two
-// products on the chain per chunk instead of three. Test builds only (set_test_fused_form) until
+// the same inputs and outputs as gdn_fwd_chunks at V tile 64 or 128 (fused_chunks.cuh), with
+// two products on the chain per chunk instead of three. Test builds only (set_test_fused_form) until
 // it is measured against gdn_fwd_chunks on the device.
 //
 // Per chunk, with W = A Tu (A = scale e^(gamma_i - gamma_j) Q K^T, i >= j), D1 = diag(e^gamma)
@@ -26,14 +26,15 @@
 // Precision (bench/precision_model.py --factored): o 1.73e-3, state 4.30e-4 over the benchmark,
 // strong-decay and g = 0 cases (v2: 1.74e-3 / 4.79e-4).
 //
-// Warp roles (4 warpgroups, 512 threads; registers 24 / 88 / 200 / 200):
+// Warp roles (2 + kMathWGs warpgroups; registers 40 / 160 / 232 at V tile 64, 24 / 88 / 200 / 200
+// at 128):
 //   WG0 warp 0 producer: TMA of K|Q, the V tile, the region's Tu image and gates into a 3-stage
 //       ring (`full` / `empty`), as gdn_fwd_chunks (produce_chunk).
 //   WG0 warps 1-3 output store: chunk c's O tile from slot c % 2 (`oready`), then `afree`.
 //   WG1 aux: K' and Q' to fp16 in place, Q K^T, A, W; then W'' into slot c % 2, G'' over Q' and
 //       Tu'' over Tu' in the stage, -F' into slot c % 2 (once `afree` says chunk c - 2's O left
 //       it); `aready`.
-//   WG2-3 math, 64 v rows each: the table above; `fdone` when both are done reading F' (its
+//   WG2.. math, 64 v rows each: the table above; `fdone` when both are done reading F' (its
 //       bytes then stage O), `empty` when done with the stage.
 #pragma once
 
@@ -43,12 +44,13 @@ namespace qla {
 namespace sm90 {
 namespace {
 
+template <int kMathWGs_>
 struct FactoredCfg {
-  static constexpr int kMathWGs = 2;
-  static constexpr int kVT = 128;
+  static constexpr int kMathWGs = kMathWGs_;  // V tile 64 (one) or 128 (two, sharing the loads and the aux)
+  static constexpr int kVT = 64 * kMathWGs;
   static constexpr int kStages = 3;  // the TMA ring
   static constexpr int kSlots = 2;   // the aux's outputs (the aux runs at most one chunk ahead)
-  static constexpr int kThreads = 512;
+  static constexpr int kThreads = 128 * (2 + kMathWGs);
   // Stage: K|Q (QK_K; the aux writes G'' over Q'), the V tile (two 64-column boxes), the region's
   // Tu image, its gates, then the aux's per-token factors (as FusedCfg).
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kGates = kTu + kImgTokTok * 2;
@@ -70,9 +72,9 @@ struct FactoredCfg {
   static_assert(kStageBytes % 1024 == 0 && kSlotBytes % 1024 == 0, "128-byte swizzled operands need 1 KiB alignment");
 };
 
-template <class T>
-__global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(const __grid_constant__ RecParams p) {
-  using Cfg = FactoredCfg;
+template <class T, int kMathWGs>
+__global__ void __launch_bounds__(FactoredCfg<kMathWGs>::kThreads, 1) gdn_fwd_factored(const __grid_constant__ RecParams p) {
+  using Cfg = FactoredCfg<kMathWGs>;
   using H = cutlass::half_t;
   using LH = Lay<H>;
   constexpr int kStages = Cfg::kStages, VT = Cfg::kVT;
@@ -118,7 +120,10 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
 
   if (wg == 0) {
     // ---------------- producer and output store ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    // Register budgets (per thread): 40 / 160 / 232 with one math warpgroup, 24 / 88 / 200
+    // with two (the 64 Ki registers of the SM).
+    if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
     if (wt >= 32) {
       const int st_t = wt - 32;
       T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + vt * VT;
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
         const int64_t cs = static_cast<int64_t>(c0 + c) * kC;  // within the sequence
         const int rows = role.out && c >= nwarm ? static_cast<int>(min<int64_t>(kC, slen - cs)) : 0;
         mbar_wait(&oready[c & 1], slot_parity(c));
-        copy_o_rows<T, VT>(sO, [](int j, int e) { return o_stage_at(j, e); }, ob + (t0 + cs) * p.so[1], p.so[1], rows, st_t, vec);
+        copy_o_rows<T, VT>(sO, [](int j, int e) { return o_stage_at<VT>(j, e); }, ob + (t0 + cs) * p.so[1], p.so[1], rows, st_t, vec);
         mbar_arrive(&afree[c & 1]);
       }
       return;
@@ -148,7 +153,8 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
 
   if (wg == 1) {
     // ---------------- aux: K', Q', W'', G'', F' ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
+    if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 88;" ::: "memory");
     auto mmaH = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = K' as (d, tok)
     auto thrH = mmaH.get_thread_slice(wt);
     // G'' stays below 2^14 when scale < 2^es.
@@ -273,7 +279,8 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
   }
 
   // ---------------- math: the chain ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
+  if constexpr (kMathWGs == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  else asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
   const int mw = wg - 2;  // this math warpgroup's 64 v rows of the tile
   Tensor accS = partition_fragment_C(mmaS, Shape<_64, _128>{});  // S^T (v, d), row v in units 2^esc_v
   // Register A operands (fp16), element i of each the element i of the accumulator it comes from.
@@ -371,7 +378,7 @@ __global__ void __launch_bounds__(FactoredCfg::kThreads, 1) gdn_fwd_factored(con
     mbar_wait(&fdone[c & 1], slot_parity(c));
     {
       const uint32_t sO = smem_u32(slb + Cfg::kF);
-      stage_o_trans<T, 0>(accO, esc, inv_tok, wt, [&](int tok, int v) { return sO + o_stage_at(tok, 64 * mw + v) * 2; });
+      stage_o_trans<T, 0>(accO, esc, inv_tok, wt, [&](int tok, int v) { return sO + o_stage_at<VT>(tok, 64 * mw + v) * 2; });
     }
     mbar_arrive(&oready[c & 1]);
     QLA_PHASE(5);

@@ -66,7 +66,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
-int g_test_fused_form = 0;  // test builds only: 1 runs V tile 128 in the factored transfer form (fused_factored.cuh)
+int g_test_fused_form = 0;  // test builds only: 1 runs the fused recurrence in the factored transfer form (fused_factored.cuh)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -249,8 +249,10 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
 #ifdef QLA_SM90_TEST_HOOKS
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_factored)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_factored<1>)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg<2>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_factored<2>)");
 #endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
@@ -377,8 +379,13 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
 #ifdef QLA_SM90_TEST_HOOKS
-    if (vt128 && g_test_fused_form == 1)
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T>, grid, dim3(FactoredCfg::kThreads), FactoredCfg::kSmem, stream, rp),
+    if (g_test_fused_form == 1 && vt128)
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T, 2>, grid, dim3(FactoredCfg<2>::kThreads), FactoredCfg<2>::kSmem,
+                                 stream, rp),
+                   "launch gdn_fwd_factored");
+    else if (g_test_fused_form == 1)
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T, 1>, grid, dim3(FactoredCfg<1>::kThreads), FactoredCfg<1>::kSmem,
+                                 stream, rp),
                    "launch gdn_fwd_factored");
     else
 #endif

@@ -9,9 +9,9 @@
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
 // beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
 // with the hooks it also times table + prep alone. --profile runs one forward of a bench row and
-// nothing else (for ncu). --factored-bench (hooks) times V tile 128 in both forms of the fused
-// recurrence (gdn_fwd_chunks, fused_factored.cuh) on the bench rows; QLA_TEST_FUSED_FACTORED=1
-// makes every V-tile-128 run of the other modes (--fused's suites among them) the factored form.
+// nothing else (for ncu). --factored-bench (hooks) times both forms of the fused recurrence
+// (gdn_fwd_chunks, fused_factored.cuh) at both V tiles on the bench rows; QLA_TEST_FUSED_FACTORED=1
+// makes every fused run of the other modes (--fused's suites among them) the factored form.
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,7 +40,7 @@ void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
-void set_test_fused_form(int form);  // 1: V tile 128 in the factored transfer form (fused_factored.cuh)
+void set_test_fused_form(int form);  // 1: the fused recurrence in the factored transfer form (fused_factored.cuh)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -756,7 +756,7 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
-  if (std::getenv("QLA_TEST_FUSED_FACTORED")) qla::sm90::set_test_fused_form(1);  // every V-tile-128 run in the factored form
+  if (std::getenv("QLA_TEST_FUSED_FACTORED")) qla::sm90::set_test_fused_form(1);  // every fused run in the factored form
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   int ndev = 0;
@@ -955,19 +955,20 @@ int main(int argc, char** argv) {
     }
   }
   if (do_factored) {
-    // The fused recurrence at V tile 128 in its two forms, side by side on the bench rows, each
+    // The fused recurrence in its two forms at both V tiles, side by side on the bench rows, each
     // row alternating v2 (gdn_fwd_chunks) and the factored form (fused_factored.cuh) twice.
-    qla::sm90::set_test_fused(128);
-    for (const Case& c : bench_rows()) {
-      double t[2] = {1e30, 1e30};
-      for (int rep = 0; rep < 2; ++rep)
-        for (int form = 0; form < 2; ++form) {
-          qla::sm90::set_test_fused_form(form);
-          t[form] = std::min(t[form], bench(c, stream));
-        }
-      std::printf("bench-factored %-30s V tile 128 v2 %.3f ms  factored %.3f ms (%.3f)\n", c.name.c_str(), t[0] * 1e3,
-                  t[1] * 1e3, t[1] / t[0]);
-    }
+    for (const Case& c : bench_rows())
+      for (int vt : {64, 128}) {
+        qla::sm90::set_test_fused(vt);
+        double t[2] = {1e30, 1e30};
+        for (int rep = 0; rep < 2; ++rep)
+          for (int form = 0; form < 2; ++form) {
+            qla::sm90::set_test_fused_form(form);
+            t[form] = std::min(t[form], bench(c, stream));
+          }
+        std::printf("bench-factored %-30s V tile %d v2 %.3f ms  factored %.3f ms (%.3f)\n", c.name.c_str(), vt,
+                    t[0] * 1e3, t[1] * 1e3, t[1] / t[0]);
+      }
     qla::sm90::set_test_fused_form(std::getenv("QLA_TEST_FUSED_FACTORED") ? 1 : 0);
     qla::sm90::set_test_fused(0);
   }

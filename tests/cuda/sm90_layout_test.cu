@@ -101,24 +101,32 @@ int piece_violations() {
   }
   return bad;
 }
-// The factored recurrence's O staging (o_stage_at): a permutation of each token's 128 columns,
-// and conflict-free for its writers and readers: the 8 rows of one stmatrix matrix (tokens
-// 8 m .. 8 m + 7, one 16-byte chunk) and the store threads' 16-byte reads of one row fall in
-// distinct 16-byte bank groups (bank group = byte offset / 16 mod 8).
+// The factored recurrence's O staging (o_stage_at, V tile 64 and 128): a permutation of each
+// token's VT columns, and conflict-free for its writers and readers: the 8 rows of one stmatrix
+// matrix (tokens 8 m .. 8 m + 7, one 16-byte chunk) fall in distinct 16-byte bank groups (bank
+// group = byte offset / 16 mod 8), and so do 8 consecutive chunks of a row (the store threads).
+template <int VT>
 int o_stage_violations() {
   int bad = 0;
   for (int tok = 0; tok < kC; ++tok) {
-    std::vector<int> seen(128, 0);
-    for (int v = 0; v < 128; ++v) {
-      const int e = o_stage_at(tok, v) - tok * 128;
-      if (e < 0 || e >= 128 || seen[e]++) ++bad;
-      if (v % 8 && o_stage_at(tok, v) != o_stage_at(tok, v - 1) + 1) ++bad;  // 8 v contiguous
+    std::vector<int> seen(VT, 0);
+    for (int v = 0; v < VT; ++v) {
+      const int e = o_stage_at<VT>(tok, v) - tok * VT;
+      if (e < 0 || e >= VT || seen[e]++) ++bad;
+      if (v % 8 && o_stage_at<VT>(tok, v) != o_stage_at<VT>(tok, v - 1) + 1) ++bad;  // 8 v contiguous
     }
   }
+  auto group = [](int elem) { return (elem * 2 / 16) % 8; };
   for (int m = 0; m < kC / 8; ++m)
-    for (int ch = 0; ch < 16; ++ch) {
+    for (int ch = 0; ch < VT / 8; ++ch) {
       unsigned groups = 0;
-      for (int r = 0; r < 8; ++r) groups |= 1u << ((o_stage_at(8 * m + r, 8 * ch) * 2 / 16) % 8);
+      for (int r = 0; r < 8; ++r) groups |= 1u << group(o_stage_at<VT>(8 * m + r, 8 * ch));
+      if (groups != 0xffu) ++bad;
+    }
+  for (int tok = 0; tok < kC; ++tok)
+    for (int ch0 = 0; ch0 < VT / 8; ch0 += 8) {
+      unsigned groups = 0;
+      for (int ch = ch0; ch < ch0 + 8; ++ch) groups |= 1u << group(o_stage_at<VT>(tok, 8 * ch));
       if (groups != 0xffu) ++bad;
     }
   return bad;
@@ -133,7 +141,7 @@ int main() {
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();
-  const int ost = o_stage_violations();
+  const int ost = o_stage_violations<64>() + o_stage_violations<128>();
   std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d; "
               "O staging violations %d\n",
               bf, fp, key, pcs, ost);
