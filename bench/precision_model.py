@@ -202,9 +202,10 @@ def _kernel_chunk(q, k, v, g, beta, c0, c1, scale, r):
 
 
 def _row_units(S, Vc, esc, kn, wsh):
-    """chunk_units: the rows' units from max |S| kn and max |V| 2^esc, kept in [2^(6 + wsh),
-    2^(10 + wsh)). Returns (f = new / old units, new esc)."""
-    m = S.abs().amax(-1) * kn
+    """chunk_units: the rows' units from max(max |S| kn 2^wsh, max |V| 2^esc), kept in
+    [2^(6 + wsh), 2^(10 + wsh)): S's bound as with wsh = 0, V's (and X's) up to 2^wsh higher.
+    Returns (f = new / old units, new esc)."""
+    m = S.abs().amax(-1) * kn * _exp2i(wsh)
     mm = torch.maximum(m, Vc.float().abs().amax(1) * _exp2i(esc))
     ex = torch.floor(torch.log2(torch.where(mm > 0, mm, torch.ones_like(mm))))
     de = torch.where((mm > 0) & ((ex < 6 + wsh) | (ex >= 10 + wsh)), (8 + wsh - ex).clamp(-126, 127), torch.zeros_like(ex))
@@ -255,16 +256,17 @@ def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bf
     return _emulate_kernel(q, k, v, g, beta, h0, step, scale, out_dtype)
 
 
-def emulate_v2_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
+def emulate_v2_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16, shift=False):
     """gdn_fwd_chunks' chunk step (v2, src/sm90/fused_chunks.cuh) with its units, as above:
     [Y'|P'] = S16 [K'; Q']^T, Z = V16 - Y' e^gamma 2^-ek (fp16), [U'|O'] = [0 | P' scale e^gamma
-    2^et] + Z [Tu'; W']^T, X = U' e^(Gamma - gamma) 2^-et (fp16), S += X K'."""
+    2^et] + Z [Tu'; W']^T, X = U' e^(Gamma - gamma) 2^-et (fp16), S += X K'. shift: the window
+    moved up in chunks of small beta as in the factored kernel (a proposal for v2, not in it)."""
     def step(ch, S, esc, scale, r):
         et, Kp, Qp, Tup, eg, egk = ch["et"], ch["Kp"], ch["Qp"], ch["Tup"], ch["eg"], ch["egk"]
         EgZ, EgP, Egk = eg * _exp2i(-ch["ek"]), scale * eg * _exp2i(et), egk * _exp2i(-et)
         InvTok = _exp2i(-(ch["eq"] + et))
         W = r(r(ch["Ap"]) @ Tup)                                      # W' image
-        f, esc = _row_units(S, ch["Vc"], esc, ch["kn"], 0)
+        f, esc = _row_units(S, ch["Vc"], esc, ch["kn"], torch.clamp(et - 1, 0, 4) if shift else torch.zeros_like(et))
         S16 = r(S * f[..., None])
         Y, P = S16 @ Kp.transpose(1, 2), S16 @ Qp.transpose(1, 2)     # [HV, v, tok]
         Z = r(ch["Vc"].float().transpose(1, 2) * _exp2i(esc)[..., None] - Y * EgZ[:, None, :])
@@ -281,8 +283,8 @@ def kernel_units_study(T) -> None:
     """emulate_factored_kernel and emulate_v2_kernel against the exact recurrence on the harness's range cases
     (tests/cuda/sm90_forward_test.cu): unit keys, |q| = |k| = 2^10 and 2^-12 (beta / max(1,
     |k|^2), as there), tiny beta (a chunk's beta near 1e-7: large et), large v and h0."""
-    print("| case | factored o | factored state | v2 o | v2 state |")
-    print("|---|---|---|---|---|")
+    print("| case | factored o | factored state | v2 o | v2 state | v2 with the shift o | state |")
+    print("|---|---|---|---|---|---|---|")
     for name, qn, kn_, bmul, vmag, hmag, gate in (("unit q, k", 1, 1, 1, 1, 1, "standard"),
                                                   ("strong decay", 1, 1, 1, 1, 1, "strong"),
                                                   ("|q| = |k| = 2^10", 2 ** 10, 2 ** 10, 1, 1, 1, "standard"),
@@ -290,6 +292,7 @@ def kernel_units_study(T) -> None:
                                                   ("beta ~ 1e-7", 1, 1, 1e-7, 1, 1, "zero"),
                                                   ("beta ~ 1e-7, h0 = 0", 1, 1, 1e-7, 1, 0, "zero"),
                                                   ("beta ~ 0.01, h0 = 0", 1, 1, 1e-2, 1, 0, "standard"),
+                                                  ("beta ~ 0.1", 1, 1, 0.1, 1, 1, "standard"),
                                                   ("beta in (0, 2) (negative eigenvalues)", 1, 1, 2, 1, 1, "zero"),
                                                   ("|v| ~ 1e5, |h0| ~ 1e6", 1, 1, 1, 1e5, 1e6, "standard")):
         q, k, v, g, beta, h0 = make_case(T, 2, gate, 11)
@@ -301,7 +304,9 @@ def kernel_units_study(T) -> None:
         ro, rh = exact(q, k, v, g, beta, h0)
         o, h = emulate_factored_kernel(q, k, v, g, beta, h0)
         o2, h2 = emulate_v2_kernel(q, k, v, g, beta, h0)
-        print(f"| {name} | {rel(o, ro):.2e} | {rel(h, rh):.2e} | {rel(o2, ro):.2e} | {rel(h2, rh):.2e} |", flush=True)
+        o3, h3 = emulate_v2_kernel(q, k, v, g, beta, h0, shift=True)
+        print(f"| {name} | {rel(o, ro):.2e} | {rel(h, rh):.2e} | {rel(o2, ro):.2e} | {rel(h2, rh):.2e} | {rel(o3, ro):.2e} "
+              f"| {rel(h3, rh):.2e} |", flush=True)
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:

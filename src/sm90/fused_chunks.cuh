@@ -382,9 +382,11 @@ __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end,
 
 // Row v's units for a chunk (see the top of this file), from max |S| (current units) and max |V|
 // (raw, this thread's V^T pairs vp) over the four threads of a quad (they share rows); kn bounds
-// the chunk's key norms. The row max is kept in [2^(6 + wsh), 2^(10 + wsh)) (wsh: 0 here;
-// fused_factored.cuh raises it in chunks of small beta). Leaves rS16 = the fp16 copy of S^T in
-// the new units, f = new / old units and sc = the new units per row half, esc updated.
+// the chunk's key norms. max(|S| kn 2^wsh, |V|) is kept in [2^(6 + wsh), 2^(10 + wsh)): S's
+// bound as with wsh = 0, V's up to 2^wsh higher (wsh: 0 here; fused_factored.cuh raises it in
+// chunks of small beta, where X ~ beta V would otherwise fall to fp16 subnormals). Leaves rS16 =
+// the fp16 copy of S^T in the new units, f = new / old units and sc = the new units per row
+// half, esc updated.
 template <class T, class AccS, class S16>
 __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const uint32_t (&vp)[16], float kn, int (&esc)[2],
                                             float (&f)[2], float (&sc)[2], int wsh = 0) {
@@ -407,7 +409,7 @@ __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const u
   for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
-    float mm = fmaxf(m[h] * kn, mv[h] * pow2i(esc[h]));
+    float mm = fmaxf(m[h] * (kn * pow2i(wsh)), mv[h] * pow2i(esc[h]));
     mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
     mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
     // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|

@@ -19,8 +19,8 @@
 // carries 2^-ek per token and X'^T K' is S's update. O carries 2^(eq + et + dl) per token: W'' =
 // 2^dl W' (W' = 2^(eq + et) W from Q', K', Tu') and G'' = diag(scale e^gamma 2^(et + dl)) Q' -
 // W'' diag(e^gamma 2^-ek) K', with dl <= 0 chosen per chunk so that G'' stays below 2^14 when et
-// is large (small beta); dl = 0 for unit keys with some beta >= 1/2. In such chunks the row
-// units' window also moves up (up to 2^4), since X ~ beta V would otherwise fall to fp16
+// is large (small beta); dl = 0 for unit keys with some beta >= 1/2. In such chunks V's side of
+// the rows' unit window also moves up (up to 2^4), since X ~ beta V would otherwise fall to fp16
 // subnormals when S ~ beta V (no h0). precision_model.py --kernel-units checks these units on
 // inputs far from unit norm and on small beta.
 // Precision (bench/precision_model.py --factored): o 1.73e-3, state 4.30e-4 over the benchmark,
@@ -315,8 +315,9 @@ __global__ void __launch_bounds__(FactoredCfg<kMathWGs>::kThreads, 1) gdn_fwd_fa
     const float kn = sG[(kInvKn - kInvGam) / 4];  // bounds the chunk's key norms (>= 1)
     uint32_t vp[16];  // this thread's V^T pairs
     load_vt_pairs(sV, wt, vp);
-    // In a chunk of small beta (et > 1) X ~ beta V: the row units may go up to 2^4 higher, which
-    // keeps X out of fp16's subnormals while S, V and X stay below 2^15.
+    // In a chunk of small beta (et > 1) X ~ beta V: V's rows may go up to 2^4 higher in the
+    // units (S's bound unchanged), which keeps X out of fp16's subnormals while V and X stay
+    // below 2^15.
     const int et = tu_exp_of<Cfg>(stb);
     float f[2], sc[2];  // this chunk's change of units, and its units
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, et - 1)));
