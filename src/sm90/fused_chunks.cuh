@@ -116,11 +116,12 @@ __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t
 // per-token factors kEgZ, kEgP, kInvTok; kTx is the bytes a stage receives.
 // ---------------------------------------------------------------------------------------------
 
-// The producer's loads of one chunk (first token tok of batch row bb; region index `region`,
-// whose bytes start at reg) into stage dst, completing on `full`.
+// The producer's loads of one chunk (first token tok of batch row bb; its region, (chunk, value
+// head) index `region`) into stage dst, completing on `full`.
 template <class Cfg>
-__device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, uint64_t* full, const uint8_t* reg,
-                                              size_t region, int hq, int hv, int vcol, int tok, int bb) {
+__device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, uint64_t* full, size_t region, int hq,
+                                              int hv, int vcol, int tok, int bb) {
+  const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + region * kInvRegionBytes;
 #ifdef QLA_SM90_TEST_HOOKS
   if (p.skip) {  // timing variant (test builds): leave some loads out, the stage keeps stale bytes
     uint32_t tx = 0;
@@ -479,7 +480,6 @@ template <class Cfg>
 __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta& tile, const PieceRole& role, uint8_t* sm,
                                              uint64_t* full, uint64_t* empty) {
   const int hq = tile.hv / (p.HV / p.H);
-  const uint8_t* regions = static_cast<const uint8_t*>(p.regions);
   for (int c = 0; c < role.nch; ++c) {
     const int st = c % Cfg::kStages;
     // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
@@ -487,8 +487,7 @@ __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta&
     const int tok = static_cast<int>(tile.t0) + (role.c0 + c) * kC, bb = static_cast<int>(tile.b);
     const size_t region = static_cast<size_t>(tile.ci0 + role.c0 + c) * p.HV + tile.hv;
     mbar_wait(&empty[st], ((c / Cfg::kStages) & 1) ^ 1);
-    produce_chunk<Cfg>(p, sm + st * Cfg::kStageBytes, &full[st], regions + region * kInvRegionBytes, region, hq, tile.hv,
-                       tile.vt * Cfg::kVT, tok, bb);
+    produce_chunk<Cfg>(p, sm + st * Cfg::kStageBytes, &full[st], region, hq, tile.hv, tile.vt * Cfg::kVT, tok, bb);
   }
 }
 

@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(FactoredCfg<kMathWGs>::kThreads, 1) gdn_fwd_fa
       Tensor accH = partition_fragment_C(mmaH, Shape<_64, _64>{});  // 64 columns of G'', then of -F'
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      const int dl = min(0, 13 - tu_exp_of<Cfg>(stb) - es);
+      const int et = tu_exp_of<Cfg>(stb);
+      const int dl = min(0, 13 - et - es);
       aux_convert_qk<T, Cfg>(p, stb, wt, dl QLA_PHASE_PASS);
       QLA_PHASE(3);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
@@ -242,7 +243,7 @@ __global__ void __launch_bounds__(FactoredCfg<kMathWGs>::kThreads, 1) gdn_fwd_fa
       // addresses (each warp its own 16 rows).
       {
         Tensor tTu = make_tensor(make_smem_ptr(const_cast<H*>(sTu)), typename LH::TokTok_K{});
-        const float p2et = pow2i(tu_exp_of<Cfg>(stb));  // sEgk holds e^(Gamma - gamma) 2^-et
+        const float p2et = pow2i(et);  // sEgk holds e^(Gamma - gamma) 2^-et
         const float egk[2] = {sEgk[16 * w + g8] * p2et, sEgk[16 * w + g8 + 8] * p2et};
         CUTE_UNROLL
         for (int kb = 0; kb < 4; ++kb) {
