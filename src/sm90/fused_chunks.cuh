@@ -656,7 +656,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     uint32_t vp[16];
     load_vt_pairs(sV, wt, vp);
     float f[2], sc[2];  // this chunk's change of units, and its units
-    chunk_units<T>(accS, rS16, vp, kn, esc, f, sc);
+    chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
 
     // [Y^T | P^T] = S^T [K; Q]^T.
