@@ -153,7 +153,7 @@ def emulate_factored(q, k, v, g, beta, h0, how="fp16", scale=None, out_dtype=tor
         Y2 = F S,  X = E - Y2,  S' = e^Gamma S + K^T X,   O = G S + H,
     with F = diag(e^(Gamma - gamma)) Tu diag(e^gamma) K and E = diag(e^(Gamma - gamma)) Tu V
     (E - F S in one fp32 accumulator), G and H as in the transfer form. Operands as the kernel
-    (src/sm90/fused_factored.cuh) stages them: the Tu image, diag(e^(Gamma - gamma)) Tu, F's left
+    (fused_factored.cuh, removed after its measurement; at e37f87c) staged them: the Tu image, diag(e^(Gamma - gamma)) Tu, F's left
     operand and F, G, W, X, S, K, Q, V rounded to `how`, fp32 accumulation."""
     r = lambda x: _round_any(x, how)
 
@@ -230,7 +230,7 @@ def _emulate_kernel(q, k, v, g, beta, h0, step, scale=None, out_dtype=torch.bflo
 
 
 def emulate_factored_kernel(q, k, v, g, beta, h0, scale=None, out_dtype=torch.bfloat16):
-    """gdn_fwd_factored's chunk step with its power-of-two units (src/sm90/fused_factored.cuh):
+    """the factored kernel's chunk step with its power-of-two units (fused_factored.cuh at e37f87c, removed):
     per-token exponents of K and Q, the image exponent et, O's extra dl, the rows' units of S^T
     and V^T with the window moved up in chunks of small beta; every fp16 operand rounded.
     Checks the units' algebra and range on inputs far from unit norm, not only the rounding."""

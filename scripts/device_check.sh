@@ -3,10 +3,8 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [factored]
+#                                [warm-peers] [warm-wait]
 #   (default: tests memcheck bench grid)
-# factored: the factored fused recurrence's suites, its A/B against v2 and phase timers (.ab/fact,
-#   .ab/fact_prof built on the development machine; carry .ab); see the stage below.
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
 #   its first and second calls timed (bench/first_call.py), qla.bench and the GPU pytest suites
@@ -226,29 +224,6 @@ if want ab; then
 fi
 snap
 
-if want factored; then
-  # The factored transfer form of the fused recurrence (fused_factored.cuh, docs/fused.md 7a),
-  # from binaries built on the development machine (carry .ab): .ab/fact with
-  # -DQLA_SM90_TEST_HOOKS, .ab/fact_prof also with -DQLA_FUSED_PROFILE. Its suites (every fused
-  # run in the factored form, V tile 64 and 128), the two forms side by side at both V tiles, then
-  # both forms' phase timers on the unsplit 16/64 8192x4 row (bench row 3) at V tile 128.
-  for mode in --fused --split ""; do
-    echo "== factored suite ${mode:-default}"
-    QLA_TEST_FUSED_FACTORED=1 timeout 240 .ab/fact $mode > "$LOGS/factored_suite${mode//-/_}.log" 2>&1
-    rc=$?; echo "rc=$rc"; [[ $rc -eq 0 ]] || status=1
-    grep -iE "fail|max o|nan" "$LOGS/factored_suite${mode//-/_}.log" | tail -8
-  done
-  timeout 240 .ab/fact --factored-bench 2>&1 | grep "^bench-factored" | tee "$LOGS/factored_bench.log"
-  if [[ -x .ab/fact_prof ]]; then
-    for form in 0 1; do
-      echo "== phase timers, factored form $form"
-      extra=; [[ $form == 1 ]] && extra=QLA_TEST_FUSED_FACTORED=1
-      env QLA_TEST_NO_SPLIT=1 QLA_TEST_FUSED=128 $extra timeout 60 .ab/fact_prof --profile 3 2>&1 \
-        | grep -E "cycles per chunk|profile"
-    done | tee "$LOGS/factored_phases.log"
-  fi
-fi
-snap
 
 if want grid-bwd; then
   echo "== backward grid"

@@ -125,13 +125,6 @@ __host__ __device__ __forceinline__ int img_off(T* aligned_base, int i, int j) {
   return static_cast<int>(&t(i, j) - aligned_base);
 }
 
-// Element (tok, v) of the factored recurrence's O staging buffer (fused_factored.cuh: 64 tokens
-// x VT v, 16-bit, rows of 2 VT bytes): 16-byte chunks of 8 v XOR-swizzled by tok % 8, so that
-// stmatrix.trans (8 tokens of one chunk per matrix) and the store threads' row reads hit
-// distinct banks (tests/cuda/sm90_layout_test.cu checks both).
-template <int VT>
-__host__ __device__ constexpr int o_stage_at(int tok, int v) { return tok * VT + (((v >> 3) ^ (tok & 7)) << 3) + (v & 7); }
-
 // Recurrence operands with V tile VT (64: 128-byte swizzle; 32: 64-byte swizzle, MN-major atoms
 // must not be wider than the tile).
 template <class T, int VT>

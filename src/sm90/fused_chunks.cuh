@@ -110,7 +110,7 @@ __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// Roles and steps shared by the fused recurrence kernels (this one and fused_factored.cuh). Cfg
+// The fused recurrence's roles and steps, one function each. Cfg
 // names a stage's parts: kQK (K | Q, stacked), kV (the V tile's 64-column boxes), kTu (the
 // region's Tu image), kGates (its gates and key exponents, kGateCopy bytes), then the aux's
 // per-token factors kEgZ, kEgP, kInvTok; kTx is the bytes a stage receives.
@@ -192,10 +192,10 @@ __device__ __forceinline__ int tu_exp_of(const uint8_t* stb) {
 }
 
 // The aux warpgroup's first step on a stage: K' = diag(2^ek) K and Q' = diag(2^eq) Q in fp16 in
-// place, and the math warpgroups' per-token factors, with O in per-token units 2^(eq + et + dl)
-// (dl: an extra power of two per chunk, 0 here). Ends on the aux's barrier.
+// place, and the math warpgroups' per-token factors, with O in per-token units 2^(eq + et). Ends
+// on the aux's barrier.
 template <class T, class Cfg>
-__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int wt, int dl QLA_PHASE_ARGS) {
+__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int wt QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
   // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
@@ -264,11 +264,11 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
   // 2^-et) is S's update. O holds 2^(eq + et) O: W' = A' Tu' with A' = diag(2^eq) A
   // diag(2^ek) (from Q', K'), so P (2^eq P) takes scale e^gamma 2^et.
   if (wt < kC) {
-    reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et + dl));
+    reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et));
     float* g = reinterpret_cast<float*>(stb + Cfg::kGates);
     const float eg = g[(kInvEg - kInvGam) / 4 + wt];
     reinterpret_cast<float*>(stb + Cfg::kEgZ)[wt] = eg * pow2i(-kexp[wt]);
-    reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et + dl);
+    reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et);
     g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
   }
   fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
@@ -384,13 +384,13 @@ __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end,
 // Row v's units for a chunk (see the top of this file), from max |S| (current units) and max |V|
 // (raw, this thread's V^T pairs vp) over the four threads of a quad (they share rows); kn bounds
 // the chunk's key norms. max(|S| kn 2^wsh, |V|) is kept in [2^(6 + wsh), 2^(10 + wsh)): S's
-// bound as with wsh = 0, V's up to 2^wsh higher (wsh: 0 here; fused_factored.cuh raises it in
-// chunks of small beta, where X ~ beta V would otherwise fall to fp16 subnormals). Leaves rS16 =
+// bound as with wsh = 0, V's up to 2^wsh higher (the caller raises wsh in chunks of small beta,
+// where S ~ beta V, with no h0, would otherwise fall to fp16 subnormals). Leaves rS16 =
 // the fp16 copy of S^T in the new units, f = new / old units and sc = the new units per row
 // half, esc updated.
 template <class T, class AccS, class S16>
 __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const uint32_t (&vp)[16], float kn, int (&esc)[2],
-                                            float (&f)[2], float (&sc)[2], int wsh = 0) {
+                                            float (&f)[2], float (&sc)[2], int wsh) {
   using H = cutlass::half_t;
   float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
   CUTE_UNROLL
@@ -588,7 +588,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      aux_convert_qk<T, Cfg>(p, stb, wt, 0 QLA_PHASE_PASS);
+      aux_convert_qk<T, Cfg>(p, stb, wt QLA_PHASE_PASS);
       QLA_PHASE(3);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
       aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);

@@ -44,9 +44,6 @@
 #include "inverse.cuh"
 #include "recurrence.cuh"
 #include "fused_chunks.cuh"
-#ifdef QLA_SM90_TEST_HOOKS
-#include "fused_factored.cuh"  // under test: not in the library until measured
-#endif
 #include "split.cuh"
 #include "host_util.cuh"
 
@@ -66,7 +63,6 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
-int g_test_fused_form = 0;  // test builds only: 1 runs the fused recurrence in the factored transfer form (fused_factored.cuh)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -248,12 +244,6 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
-#ifdef QLA_SM90_TEST_HOOKS
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg<1>::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_factored<1>)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_factored<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FactoredCfg<2>::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_factored<2>)");
-#endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -378,17 +368,6 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
-#ifdef QLA_SM90_TEST_HOOKS
-    if (g_test_fused_form == 1 && vt128)
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T, 2>, grid, dim3(FactoredCfg<2>::kThreads), FactoredCfg<2>::kSmem,
-                                 stream, rp),
-                   "launch gdn_fwd_factored");
-    else if (g_test_fused_form == 1)
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_factored<T, 1>, grid, dim3(FactoredCfg<1>::kThreads), FactoredCfg<1>::kSmem,
-                                 stream, rp),
-                   "launch gdn_fwd_factored");
-    else
-#endif
     if (vt128)
       QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2>, grid, dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem,
                                  stream, rp),
@@ -535,7 +514,6 @@ void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
-void set_test_fused_form(int form) { g_test_fused_form = form; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -9,9 +9,7 @@
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
 // beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
 // with the hooks it also times table + prep alone. --profile runs one forward of a bench row and
-// nothing else (for ncu). --factored-bench (hooks) times both forms of the fused recurrence
-// (gdn_fwd_chunks, fused_factored.cuh) at both V tiles on the bench rows; QLA_TEST_FUSED_FACTORED=1
-// makes every fused run of the other modes (--fused's suites among them) the factored form.
+// nothing else (for ncu).
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,7 +38,6 @@ void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
-void set_test_fused_form(int form);  // 1: the fused recurrence in the factored transfer form (fused_factored.cuh)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -739,7 +736,7 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
-  bool do_split = false, do_fused_skip = false, do_short = false, do_factored = false;
+  bool do_split = false, do_fused_skip = false, do_short = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
@@ -748,7 +745,6 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--split") do_split = true;
     if (std::string(argv[i]) == "--fused-skip-bench") do_fused_skip = true;
     if (std::string(argv[i]) == "--short-bench") do_short = true;
-    if (std::string(argv[i]) == "--factored-bench") do_factored = true;
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
@@ -756,7 +752,6 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
-  if (std::getenv("QLA_TEST_FUSED_FACTORED")) qla::sm90::set_test_fused_form(1);  // every fused run in the factored form
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   int ndev = 0;
@@ -826,8 +821,8 @@ int main(int argc, char** argv) {
     c.knorm = 1.f / 4096; cases.push_back(c); }
   { Case c; c.name = "spread q, k norms (2^+-8)"; c.B = 2; c.T = 200; c.H = 1; c.HV = 2; c.spread = true;
     cases.push_back(c); }
-  // Tiny beta (et ~ 23): the factored recurrence's dl and Tu'' range; with no h0, S ~ beta V
-  // (precision_model.py --kernel-units predicts o 3.95e-3 for the factored form there).
+  // Tiny beta (et ~ 23): with no h0, S ~ beta V, which the units window must keep out of fp16's
+  // subnormals (chunk_units' wsh; without it o 3.85e-3, state 5.83e-3 on the H200).
   { Case c; c.name = "tiny beta (1e-7), no h0"; c.lens = {300, 64}; c.H = 1; c.HV = 2; c.bmag = 1e-7f; c.h0 = false;
     cases.push_back(c); }
   { Case c; c.name = "tiny beta (1e-7), h0"; c.B = 1; c.T = 257; c.H = 1; c.HV = 2; c.bmag = 1e-7f; c.gmode = 2;
@@ -953,24 +948,6 @@ int main(int argc, char** argv) {
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
     }
-  }
-  if (do_factored) {
-    // The fused recurrence in its two forms at both V tiles, side by side on the bench rows, each
-    // row alternating v2 (gdn_fwd_chunks) and the factored form (fused_factored.cuh) twice.
-    for (const Case& c : bench_rows())
-      for (int vt : {64, 128}) {
-        qla::sm90::set_test_fused(vt);
-        double t[2] = {1e30, 1e30};
-        for (int rep = 0; rep < 2; ++rep)
-          for (int form = 0; form < 2; ++form) {
-            qla::sm90::set_test_fused_form(form);
-            t[form] = std::min(t[form], bench(c, stream));
-          }
-        std::printf("bench-factored %-30s V tile %d v2 %.3f ms  factored %.3f ms (%.3f)\n", c.name.c_str(), vt,
-                    t[0] * 1e3, t[1] * 1e3, t[1] / t[0]);
-      }
-    qla::sm90::set_test_fused_form(std::getenv("QLA_TEST_FUSED_FACTORED") ? 1 : 0);
-    qla::sm90::set_test_fused(0);
   }
   if (do_short) {
     // The grid's few-pair short rows (under 128 chunks, around the dispatch's pair threshold
