@@ -193,7 +193,7 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
 struct PhaseRecord {
   const char* what;
   int wg;
-  long long t[8];
+  long long t[10];
 };
 constexpr int kPhaseRecords = 64;
 __device__ PhaseRecord g_phase_records[kPhaseRecords];
@@ -207,15 +207,15 @@ __device__ int g_phase_count;
       if (r_ < kPhaseRecords) {                                                                         \
         g_phase_records[r_].what = what_;                                                               \
         g_phase_records[r_].wg = int(threadIdx.x >> 7);                                                 \
-        for (int k_ = 0; k_ < 8; ++k_) g_phase_records[r_].t[k_] = k_ < (n) ? ph_t[k_] / (nch) : 0;     \
+        for (int k_ = 0; k_ < 10; ++k_) g_phase_records[r_].t[k_] = k_ < (n) ? ph_t[k_] / (nch) : 0;     \
       }                                                                                                 \
     }                                                                                                   \
   } while (0)
 __global__ void print_phase_records() {
   for (int r = 0; r < min(g_phase_count, kPhaseRecords); ++r) {
     const PhaseRecord& x = g_phase_records[r];
-    printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld\n", x.what, x.wg, x.t[0], x.t[1],
-           x.t[2], x.t[3], x.t[4], x.t[5], x.t[6], x.t[7]);
+    printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", x.what, x.wg, x.t[0],
+           x.t[1], x.t[2], x.t[3], x.t[4], x.t[5], x.t[6], x.t[7], x.t[8], x.t[9]);
   }
   g_phase_count = 0;
 }

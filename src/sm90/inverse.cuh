@@ -513,6 +513,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
       st_release(p.ready + static_cast<size_t>(q.ci) * p.HV + q.hv, 1);
     }
   }
+  QLA_PHASE(8);  // the image's bulk store issued
 }
 
 // Persistent like gdn_prep: kInvWarpgroups independent warpgroups per CTA walk the items
@@ -542,7 +543,7 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
   InvRegion cur{};
   SeqCursor cursor;
   int nreg = 0;  // regions done (phase timers)
-  QLA_PHASES(8);
+  QLA_PHASES(10);
   if (it < nitems) {
     cur = inverse_place(p, cursor, it);
     cur = with_gates(p, tid, cur, cur.hv);
@@ -558,6 +559,7 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       InvRegion next{};
       if (gi + 1 < G) next = with_gates(p, tid, cur, cur.hv + 1);
       else if (more) next = with_gates(p, tid, next_item, next_item.hv);
+      QLA_PHASE(9);  // the next item's place (an item's first region) and the next region's gate loads
       inverse_region<T>(p, sm, sm + kInvK, tid, 1 + wg, bar, k & 1, cur, gi == 0, kk,
                         gi == 0 && more, next_item QLA_PHASE_PASS);
       ++nreg;
@@ -565,7 +567,7 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     }
   }
   if (tid == 0) bulk_wait_read();  // the last image store has read shared memory
-  QLA_PHASES_PRINT("inverse (q, scan + barrier, barrier, gate stores + K K^T, L', diagonal, B1 + products, image)", 8, nreg);
+  QLA_PHASES_PRINT("inverse (q, scan + barrier, barrier, gate stores + K K^T, L', diagonal, B1 + products, image, image issue, next place + gates)", 10, nreg);
 }
 
 // Host side: the value heads per item and the grid. A whole key head's group shares its K tile
