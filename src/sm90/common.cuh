@@ -187,40 +187,65 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
 // the warpgroups of the grid's first CTA, averaged over its chunks (regions), kept as records in
 // device memory and printed by print_phase_records (the test hook test_print_phases). Not by a
 // printf in the kernel: a call there serializes every wgmma of the kernel (ptxas C7510), which
-// is what the timers of 2026-12-01 and before measured.
+// is what the timers of 2026-12-01 and before measured. Each phase's cycles go straight to its
+// record by a reduction (red.global.add, nothing waits for it): per-phase sums held in the
+// kernel spilled to local memory in register-tight kernels (the inverse kernel at 128), and the
+// reload after each clock read, an L2 round trip when shared memory leaves L1 little room,
+// was counted in the next phase. A thread keeps only its record's index and the last clock.
 // QLA_PHASE_ARGS / QLA_PHASE_PASS carry the timers into a device function.
 #ifdef QLA_FUSED_PROFILE
+constexpr int kPhaseMax = 10;
 struct PhaseRecord {
   const char* what;
-  int wg;
-  long long t[10];
+  int wg, phases;
+  long long chunks;
+  unsigned long long t[kPhaseMax];
 };
 constexpr int kPhaseRecords = 64;
 __device__ PhaseRecord g_phase_records[kPhaseRecords];
 __device__ int g_phase_count;
-#define QLA_PHASES(n) long long ph_t[n] = {}; long long ph_p = clock64()
-#define QLA_PHASE(k) do { const long long t_ = clock64(); ph_t[k] += t_ - ph_p; ph_p = t_; } while (0)
-#define QLA_PHASES_PRINT(what_, n, nch)                                                                 \
-  do {                                                                                                  \
-    if ((threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0 && (nch) > 0) {                  \
-      const int r_ = atomicAdd(&g_phase_count, 1);                                                      \
-      if (r_ < kPhaseRecords) {                                                                         \
-        g_phase_records[r_].what = what_;                                                               \
-        g_phase_records[r_].wg = int(threadIdx.x >> 7);                                                 \
-        for (int k_ = 0; k_ < 10; ++k_) g_phase_records[r_].t[k_] = k_ < (n) ? ph_t[k_] / (nch) : 0;     \
-      }                                                                                                 \
-    }                                                                                                   \
+__device__ __forceinline__ void phase_add(int slot, int k, long long cycles) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&g_phase_records[slot].t[k]),
+               "l"(static_cast<unsigned long long>(cycles))
+               : "memory");
+}
+// ph_slot: the record of this thread (thread 0 of a warpgroup of CTA 0), else kPhaseRecords.
+#define QLA_PHASES(n)                                                                                  \
+  static_assert((n) <= kPhaseMax, "too many phases");                                                  \
+  const int ph_slot = (threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0                   \
+                          ? min(atomicAdd(&g_phase_count, 1), kPhaseRecords)                           \
+                          : kPhaseRecords;                                                             \
+  long long ph_p = clock64()
+#define QLA_PHASE(k)                                                \
+  do {                                                              \
+    const long long t_ = clock64();                                 \
+    if (ph_slot < kPhaseRecords) phase_add(ph_slot, (k), t_ - ph_p); \
+    ph_p = t_;                                                      \
   } while (0)
+#define QLA_PHASES_PRINT(what_, n, nch)                  \
+  do {                                                   \
+    if (ph_slot < kPhaseRecords) {                       \
+      g_phase_records[ph_slot].what = what_;             \
+      g_phase_records[ph_slot].wg = int(threadIdx.x >> 7); \
+      g_phase_records[ph_slot].phases = (n);             \
+      g_phase_records[ph_slot].chunks = (nch);           \
+    }                                                    \
+  } while (0)
+// Prints the records (a record's sums over its chunks, divided by them) and clears them.
 __global__ void print_phase_records() {
   for (int r = 0; r < min(g_phase_count, kPhaseRecords); ++r) {
-    const PhaseRecord& x = g_phase_records[r];
-    printf("%s, warpgroup %d, cycles per chunk: %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", x.what, x.wg, x.t[0],
-           x.t[1], x.t[2], x.t[3], x.t[4], x.t[5], x.t[6], x.t[7], x.t[8], x.t[9]);
+    PhaseRecord& x = g_phase_records[r];
+    if (x.chunks > 0 && x.what) {
+      printf("%s, warpgroup %d, cycles per chunk:", x.what, x.wg);
+      for (int k = 0; k < x.phases; ++k) printf(" %llu", x.t[k] / static_cast<unsigned long long>(x.chunks));
+      printf("\n");
+    }
+    x = PhaseRecord{};
   }
   g_phase_count = 0;
 }
-#define QLA_PHASE_ARGS , long long* ph_t, long long& ph_p
-#define QLA_PHASE_PASS , ph_t, ph_p
+#define QLA_PHASE_ARGS , int ph_slot, long long& ph_p
+#define QLA_PHASE_PASS , ph_slot, ph_p
 #else
 #define QLA_PHASE_ARGS
 #define QLA_PHASE_PASS
