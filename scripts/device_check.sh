@@ -224,7 +224,6 @@ if want ab; then
 fi
 snap
 
-
 if want grid-bwd; then
   echo "== backward grid"
   python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
