@@ -110,7 +110,7 @@ int main() {
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();
-  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d\n", bf, fp, key,
-              pcs);
+  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d\n",
+              bf, fp, key, pcs);
   return bf == 0 && fp == 0 && key == 0 && pcs == 0 ? 0 : 1;
 }
