@@ -264,8 +264,10 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
         sKexp[r0] = r0 < len && k0 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k0) >> 1))) : 0;
         sKexp[r1] = r1 < len && k1 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k1) >> 1))) : 0;
       }
-    } else if (tid < kC) {
-      sKexp[tid] = 0;
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(kk); ++i) kk(i) = 0.f;
+      if (tid < kC) sKexp[tid] = 0;
     }
     wg_bar(barid);  // the key exponents complete; every warp's K K^T has retired, so K's bytes are free
     if (load_next) inverse_load_k(p, sKb, bar, tid, next_item);
@@ -275,16 +277,17 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   // L' = diag(2^-ek) L diag(2^ek), L_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (i > j): since
   // 2^-ek_i ~ |k_i|, L'_ij ~ beta_i |k_i|^2 (k_i.k_j / |k_i| |k_j|) e^(gamma_i - gamma_j), as
   // L for unit keys, so fp16 holds it and the inverse's blocks for any key norm:
-  // T' = (I + L')^-1 = diag(2^-ek) (I + L)^-1 diag(2^ek). The gate is a
-  // clamped difference and the two exponents join it inside one ex2. The warp's blocks left of
+  // T' = (I + L')^-1 = diag(2^-ek) (I + L)^-1 diag(2^ek). Per element one ex2 of a row term
+  // plus a column term, L'_ij = (beta_i 2^-ek_i) 2^(log2e gamma_i + (ek_j - log2e gamma_j)) k_i.k_j:
+  // with g <= 0 (gdn.md) the gate part is <= 0 on and below the diagonal; above it (the diagonal
+  // block's upper triangle, which the selects below drop) ex2 may overflow. The warp's blocks left of
   // its diagonal become fp16 A operands (la), the diagonal block goes to its fp32 scratch for
   // the substitution, the blocks right of it are not needed.
   float* sD = reinterpret_cast<float*>(sm + kInvD) + warp * 16 * kInvDp;
   uint32_t la[3][4];
   {
     const float gl0 = sGam[r0] * kLog2e, gl1 = sGam[r1] * kLog2e;
-    const float br0 = sBeta[r0], br1 = sBeta[r1];
-    const float e0 = static_cast<float>(sKexp[r0]), e1 = static_cast<float>(sKexp[r1]);
+    const float br0 = sBeta[r0] * pow2i(-sKexp[r0]), br1 = sBeta[r1] * pow2i(-sKexp[r1]);
     CUTE_UNROLL
     for (int b = 0; b < 4; ++b) {
       if (b > warp) continue;
@@ -294,16 +297,12 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
         const int c = 16 * b + 8 * h + 2 * t4;
         const float2 gc = *reinterpret_cast<const float2*>(sGam + c);
         const int2 ec = *reinterpret_cast<const int2*>(sKexp + c);
-        const float gcl[2] = {gc.x * kLog2e, gc.y * kLog2e}, ecf[2] = {static_cast<float>(ec.x), static_cast<float>(ec.y)};
+        const float cj[2] = {fmaf(gc.x, -kLog2e, static_cast<float>(ec.x)), fmaf(gc.y, -kLog2e, static_cast<float>(ec.y))};
         CUTE_UNROLL
         for (int e = 0; e < 2; ++e) {
-          l[4 * h + e] = br0 * exp2_approx(fminf(gl0 - gcl[e], 0.f) + (ecf[e] - e0)) * kk(8 * b + 4 * h + e);
-          l[4 * h + 2 + e] = br1 * exp2_approx(fminf(gl1 - gcl[e], 0.f) + (ecf[e] - e1)) * kk(8 * b + 4 * h + 2 + e);
+          l[4 * h + e] = br0 * exp2_approx(gl0 + cj[e]) * kk(8 * b + 4 * h + e);
+          l[4 * h + 2 + e] = br1 * exp2_approx(gl1 + cj[e]) * kk(8 * b + 4 * h + 2 + e);
         }
-      }
-      if (p.skip & 4) {
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) l[e] = 0.f;
       }
       if (b < warp) {
         CUTE_UNROLL
