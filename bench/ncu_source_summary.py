@@ -17,6 +17,7 @@ import argparse
 import collections
 import csv
 import re
+import signal
 
 
 def load(path):
@@ -82,4 +83,5 @@ def main():
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
     main()
