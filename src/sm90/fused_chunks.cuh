@@ -169,15 +169,19 @@ __device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, 
 // the staging buffer sO, whose element (j, e) lies at at(j, e) (e even; a multiple of 8 for the
 // 16-byte copies), to oc (row stride so1). 16-byte stores when every row start is 16-byte
 // aligned (vec), else 4-byte ones.
+// The loops stay rolled: unrolled they were 390 instructions of the schedulers' shared
+// instruction cache for no gain (these warps wait on the math's O, not on their issue).
 constexpr int kFusedStoreThreads = 96;
 template <class T, int VT, class At>
 __device__ __forceinline__ void copy_o_rows(const T* sO, At at, T* oc, int64_t so1, int rows, int st_t, bool vec) {
   if (vec) {
+#pragma unroll 1
     for (int q = st_t; q < rows * (VT / 8); q += kFusedStoreThreads) {
       const int j = q / (VT / 8), v8 = q % (VT / 8);
       *reinterpret_cast<uint4*>(oc + j * so1 + 8 * v8) = *reinterpret_cast<const uint4*>(sO + at(j, 8 * v8));
     }
   } else {
+#pragma unroll 1
     for (int q = st_t; q < rows * (VT / 2); q += kFusedStoreThreads) {
       const int j = q / (VT / 2), v2 = q % (VT / 2);
       *reinterpret_cast<uint32_t*>(oc + j * so1 + 2 * v2) = *reinterpret_cast<const uint32_t*>(sO + at(j, 2 * v2));
@@ -230,7 +234,9 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
       const uint32_t b = static_cast<uint32_t>(ex[r] + 127) << 7;
       sc2[r] = b | (b << 16);
     }
-    CUTE_UNROLL
+    // Not unrolled: the two halves run one body, which keeps the aux's hot code (with the
+    // math's and the store warps' on each scheduler) inside the instruction cache.
+#pragma unroll 1
     for (int hb = 0; hb < 2; ++hb) {
       uint4 u[8];
       CUTE_UNROLL
