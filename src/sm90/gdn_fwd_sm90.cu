@@ -292,12 +292,24 @@ cudaError_t launch_kernel(bool dependent, Kernel kernel, dim3 grid, dim3 block, 
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// The fused recurrence's V tile: 128 (two math warpgroups sharing every load; a chunk step
+// ~1.5x V tile 64's) once V tile 64 would need more than one wave of CTAs (16/32 at 8192x4:
+// 0.68 against 0.78 ms), else 64 (twice the CTAs for the few-pair rows). A varlen call of fewer
+// than four sequences keeps 64 unless the host lengths show sequences of about one length: a
+// long sequence beside short ones sets the time by its chain, which V tile 64 shortens (16/64
+// at 1024+7168: 0.43 against 0.52 ms), while sequences of one length fill the SMs as a batch
+// (16/64 at 16384+16384: 1.01 against 1.27 ms).
+bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms) {
+  if (2 * N * HV <= sms) return false;
+  if (!p.cu_seqlens.data || N >= 4) return true;
+  if (!p.cu_seqlens_host) return false;
+  const ChunkCounts c = chunk_counts(p);
+  return 5 * c.total >= 4 * N * c.longest;  // the mean length at least 0.8 of the longest
+}
+
 // The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
-// (kInvRegionBytes each), then the fused recurrence, in stream order. V tile 128 (two math
-// warpgroups sharing every load; a chunk step ~1.5x V tile 64's) once V tile 64 would need
-// more than one wave of CTAs (16/32 at 8192x4: 0.68 against 0.78 ms), else 64 (twice the CTAs
-// for the few-pair rows). Varlen calls with fewer than four sequences keep 64: the longest
-// sequence's chain sets their time (16/64 at 1024+7168: 0.43 against 0.52 ms).
+// (kInvRegionBytes each), then the fused recurrence, in stream order; the V tile by
+// fused_v_tile_128.
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
                     const CUtensorMap& tmk, const SeqDesc& sd, int sms) {
@@ -347,7 +359,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.ready = ready;
 #endif
   rp.scale = static_cast<float>(p.scale);
-  bool vt128 = 2 * static_cast<int64_t>(N) * HV > sms && !(p.cu_seqlens.data && N < 4);
+  bool vt128 = fused_v_tile_128(p, N, HV, sms);
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused > 0) vt128 = g_test_fused == 128;
 #endif

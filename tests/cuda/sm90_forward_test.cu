@@ -80,6 +80,7 @@ struct Case {
   float qnorm = 1.f, knorm = 1.f;
   bool spread = false;
   bool bench_all_decay = false;  // bench inputs: no g = 0 heads (else every 4th head, as in the grid)
+  bool host_lens = false;  // varlen: the host copy of cu_seqlens too (the plan's lengths, as the grid gives them)
 };
 
 static uint16_t to16(float x, DType dt) {
@@ -273,6 +274,7 @@ static void setup(Problem& P, Dev& D, cudaStream_t stream) {
     else CK(cudaMemcpy(D.cu, cu32.data(), cu32.size() * 4, cudaMemcpyHostToDevice));
     p.cu_seqlens = tref(D.cu, c.cu64 ? DType::kInt64 : DType::kInt32, 0, 0, 0);
     p.num_seqs = P.N;
+    if (c.host_lens) p.cu_seqlens_host = P.cu.data();
   }
   p.scale = c.scale != 0.f ? c.scale : 1.f / std::sqrt(float(K));
   p.qk_l2_normalized = g_qk_hint && c.qnorm == 1.f && c.knorm == 1.f && !c.spread;  // only where true
@@ -575,6 +577,17 @@ static std::vector<Case> bench_rows() {
   r.back().lens = {6144, 2048};
   row("397B TP1 1024+7168", 1, 8192, 16, 64);
   r.back().lens = {1024, 7168};
+  // Varlen with the host lengths (as the grid passes them): sequences of one length at many
+  // heads (V tile 128 fills the SMs as a batch does) and a ragged pair (V tile 64).
+  row("397B TP1 16384+16384 host", 1, 32768, 16, 64);
+  r.back().lens = {16384, 16384};
+  r.back().host_lens = true;
+  row("27B TP1 4096+4096 host", 1, 8192, 16, 48);
+  r.back().lens = {4096, 4096};
+  r.back().host_lens = true;
+  row("397B TP1 24576+8192 host", 1, 32768, 16, 64);
+  r.back().lens = {24576, 8192};
+  r.back().host_lens = true;
   // Short rows, few pairs: the fixed costs (launches, the inverse kernel's latency) weigh most.
   row("397B TP8 1x2048", 1, 2048, 2, 8);
   row("397B TP8 1024x8", 8, 1024, 2, 8);
