@@ -204,7 +204,7 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
 }
 
 struct WsLayout {
-  size_t table = 0, ready = 0, pieces = 0, regions = 0, maps = 0, total = 0;
+  size_t table = 0, places = 0, ready = 0, pieces = 0, regions = 0, maps = 0, total = 0;
 };
 WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
@@ -214,7 +214,8 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   const size_t np = static_cast<size_t>(sc.max_pieces);
   WsLayout w;
   w.table = 0;
-  w.ready = up(4 * chunk_table_ints(N));  // after the chunk table; one int per (chunk, value head)
+  w.places = up(4 * chunk_table_ints(N));  // after the chunk table; an int2 per chunk (the inverse kernel's)
+  w.ready = w.places + up(8 * mc);  // one int per (chunk, value head)
   w.pieces = w.ready + up(4 * mc * HV);
   w.regions = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);
   w.maps = w.regions + up(mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes));
@@ -336,13 +337,15 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused_overlap && dependent && !sc.max_pieces && nregions > 0) ready = reinterpret_cast<int*>(ws + wl.ready);
 #endif
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces);
+  int2* places = reinterpret_cast<int2*>(ws + wl.places);
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
   if (nregions > 0) {
     PrepParams pp = chunk_params(p, sd, N, table);
+    pp.places = places;
     if (p.qk_l2_normalized) pp.q = nullptr;  // unit rows: the inverse kernel skips q's norms (eq = 0)
     pp.tmk = tmk;
     pp.regions = regions;
@@ -493,10 +496,12 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
   const SeqDesc sd = seq_desc(p);
   int* table = static_cast<int*>(p.workspace);
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0);
+  int2* places = reinterpret_cast<int2*>(static_cast<uint8_t*>(p.workspace) + ws_layout(p).places);
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, nullptr, 0, PiecePlan{}, nullptr, places);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   if (nregions == 0) return Status::Ok();
   PrepParams pp = chunk_params(p, sd, N, table);
+  pp.places = places;
   s = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (!s.ok()) return s;
   pp.regions = regions;

@@ -73,56 +73,21 @@ struct InvRegion {
 
 // The warpgroups' work items are (chunk, key head, group of inv_group of its value heads): one
 // K tile and one K K^T serve the group's value heads (regions), taken one after the other.
-// A warpgroup walks its items in increasing chunk order, so the chunk's sequence comes from a
-// cursor over the chunk table: no loads while the chunk stays in the cursor's sequence, else
-// a warp-parallel search forward (one round of loads for up to 33 sequences ahead) and the
-// sequence's bounds. (The binary search of region_tokens on every region stalled each region's
-// start on its dependent loads: 2-3 of them with four sequences.)
-struct SeqCursor {
-  int n = 0, off_lo = 0, off_hi = 0;  // the sequence and its chunks [off_lo, off_hi)
-  int b = 0, t0 = 0, slen = 0;  // its batch row, first token and length (32-bit, as TMA's coordinates)
-};
-// The largest n >= n0 with off[n] <= ci (off non-decreasing, off[n0] <= ci): each of the 32 lanes
-// probes one candidate per round and the ballot keeps the last that qualifies.
-__device__ __forceinline__ int chunk_seq_from(const int* off, int N, int ci, int n0) {
-  const int lane = threadIdx.x & 31;
-  int lo = n0, hi = N - 1;
-  while (lo < hi) {
-    const int step = (hi - lo + 31) / 32;
-    const int m = lo + 1 + lane * step;
-    const unsigned ok = __ballot_sync(0xffffffffu, m <= hi && off[m] <= ci);
-    if (ok == 0u) break;  // off[lo + 1] > ci
-    const int l = 31 - __clz(ok);
-    lo = lo + 1 + l * step;
-    hi = min(hi, lo + step - 1);
-  }
-  return lo;
-}
-__device__ __forceinline__ void cursor_place(const PrepParams& p, SeqCursor& c, int ci, int& b, int& t0, int& len) {
-  if (ci < c.off_lo || ci >= c.off_hi) {
-    c.n = chunk_seq_from(p.chunk_off, p.N, ci, ci >= c.off_lo ? c.n : 0);
-    c.off_lo = p.chunk_off[c.n];
-    c.off_hi = p.chunk_off[c.n + 1];
-    int64_t sb, st0, sl;
-    seq_bounds(p.sd, c.n, sb, st0, sl);
-    c.b = static_cast<int>(sb);
-    c.t0 = static_cast<int>(st0);
-    c.slen = static_cast<int>(sl);
-  }
-  const int cstart = (ci - c.off_lo) * kC;  // within the sequence
-  b = c.b;
-  t0 = c.t0 + cstart;
-  len = min(kC, c.slen - cstart);
-}
-// inverse_place: the first region of an item, without loads of gates; with_gates: a region with
-// its gates, whose loads are then in flight during the previous region's inverse.
-__device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, SeqCursor& cursor, int item) {
+// inverse_place: the first region of an item, from the chunk's place that the chunk table
+// kernel wrote (one load; a cursor over the sequences took 2-3 dependent rounds of loads
+// whenever the item's chunk lay in another sequence, and its registers spilled: the region's
+// start at 16/16 1024x8 2.9 K -> 2.3 K cycles); with_gates: a region with its gates, whose
+// loads are then in flight during the previous region's inverse.
+__device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, int item) {
   InvRegion q;
   const int groups = p.HV / p.H / p.inv_group;  // per key head
   q.ci = item / (p.H * groups);
   const int r = item % (p.H * groups);
   q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group;
-  cursor_place(p, cursor, q.ci, q.b, q.t0, q.len);
+  const int2 pl = p.places[q.ci];
+  q.t0 = pl.x;
+  q.b = pl.y >> 7;
+  q.len = pl.y & 127;
   q.g = q.beta = 0u;
   return q;
 }
@@ -540,11 +505,10 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
   auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
   Tensor kk = partition_fragment_C(mma, Shape<_64, _64>{});  // the item's K K^T
   InvRegion cur{};
-  SeqCursor cursor;
   int nreg = 0;  // regions done (phase timers)
   QLA_PHASES(10);
   if (it < nitems) {
-    cur = inverse_place(p, cursor, it);
+    cur = inverse_place(p, it);
     cur = with_gates(p, tid, cur, cur.hv);
     inverse_load_k(p, sm + kInvK, bar, tid, cur);
   }
@@ -552,7 +516,7 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
     const bool more = it + stride < nitems;
     // The next item's first region: its K tile goes into the stage during this item's first
     // region, its gates are loaded during this item's last region.
-    const InvRegion next_item = more ? inverse_place(p, cursor, it + stride) : InvRegion{};
+    const InvRegion next_item = more ? inverse_place(p, it + stride) : InvRegion{};
     for (int gi = 0; gi < G; ++gi) {
       // Loads ahead: the next value head's gates (the same place), or the next item's first gates.
       InvRegion next{};

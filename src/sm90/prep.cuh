@@ -114,15 +114,46 @@ __device__ void block_prefix_sum(int M, Count count, int* out) {
   if (tid == 0) out[0] = 0;
 }
 
+// Each chunk's place (the fused forward's inverse kernel; chunk_place_of unpacks it): x = its
+// first token, y = batch row << 7 | tokens (<= 64). A thread writes the chunks of its sequences
+// of at most kPlaceThreadChunks chunks; longer ones its warp writes together, lanes striding the
+// chunks (one sequence of 8192 chunks: 256 rounds of one warp).
+constexpr int kPlaceThreadChunks = 4;
+__device__ __forceinline__ void write_chunk_places(const SeqDesc& sd, int N, const int* off, int2* places) {
+  const int lane = threadIdx.x & 31;
+  for (int n0 = threadIdx.x - lane; n0 < N; n0 += 1024) {
+    const int n = n0 + lane;
+    int64_t b = 0, t0 = 0, len = 0;
+    if (n < N) seq_bounds(sd, n, b, t0, len);
+    const int first = n < N ? off[n] : 0, nch = n < N ? off[n + 1] - first : 0;
+    auto place = [&](int j, int64_t tb, int64_t tt, int64_t tl) {
+      const int64_t cs = static_cast<int64_t>(j) * kC;
+      return make_int2(static_cast<int>(tt + cs), static_cast<int>(tb << 7 | (tl - cs < kC ? tl - cs : kC)));
+    };
+    if (nch <= kPlaceThreadChunks)
+      for (int j = 0; j < nch; ++j) places[first + j] = place(j, b, t0, len);
+    unsigned longs = __ballot_sync(0xffffffffu, nch > kPlaceThreadChunks);
+    while (longs) {
+      const int src = __ffs(longs) - 1;
+      longs &= longs - 1;
+      const int f = __shfl_sync(0xffffffffu, first, src), c = __shfl_sync(0xffffffffu, nch, src);
+      const int64_t tb = __shfl_sync(0xffffffffu, b, src), tt = __shfl_sync(0xffffffffu, t0, src),
+                    tl = __shfl_sync(0xffffffffu, len, src);
+      for (int j = lane; j < c; j += 32) places[f + j] = place(j, tb, tt, tl);
+    }
+  }
+}
+
 // off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
 // decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written),
 // the order is the identity, and the kernels fill their outputs with NaN instead (see
 // fill_nan_outputs).
 // With a piece table (split forward, pieces != nullptr; layout piece_table_ints in common.cuh):
 // the pieces of the sequences in launch order (piece_split), their offsets by rank and each
-// piece's rank.
+// piece's rank. With places (the fused forward): each chunk's place (write_chunk_places).
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready,
-                                                        PiecePlan plan = {}, int* pieces = nullptr) {
+                                                        PiecePlan plan = {}, int* pieces = nullptr,
+                                                        int2* places = nullptr) {
   allow_dependent_launch();  // the fused forward's inverse kernel waits for this one's end itself
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   const int tid = threadIdx.x;
@@ -145,6 +176,10 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
   }
   if (tid == 0) off[N + 1] = 0;
   block_prefix_sum(N, [&](int n) { return seq_chunks(sd, n); }, off);
+  if (places) {
+    __syncthreads();  // every offset written
+    write_chunk_places(sd, N, off, places);
+  }
   if (N == 1) {
     if (tid == 0) order[0] = 0;
   } else {
@@ -173,6 +208,7 @@ struct PrepParams {
   SeqDesc sd;
   int N, H, HV;
   const int* chunk_off;
+  const int2* places;  // the inverse kernel: each chunk's place (write_chunk_places)
   void* regions;  // kRegionBytes per (chunk, value head)
   int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
   void* tm;       // backward: Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; else null
