@@ -389,8 +389,8 @@ def chunk_gated_delta_rule(
             on its own length and gates only (pieces of up to split_chunks, default 64 chunks,
             unless split=False). Slower for many-sequence calls.
         cu_seqlens_cpu: a host copy of cu_seqlens (as in FLA). CUDA calls then validate the
-            boundaries without a device synchronisation, and the CUDA forward plans its path
-            and pieces from the true longest sequence (without it, from the bound T).
+            boundaries without a device synchronisation, and the CUDA forward plans its path,
+            pieces and V tile from the true lengths (without it, from the bound T).
         cp_context: context parallelism (qla.build_cp_context): q, k, v, g, beta are this
             rank's equal slice of the packed tokens, cu_seqlens None (the context holds the
             local boundaries), initial_state and the final state per local sequence (qla/cp.py
