@@ -572,6 +572,10 @@ Status check_supported(const GdnForwardParams& p) {
   if (num_seqs(p) * p.shape.num_v_heads > 2147483647LL / 4 || max_chunks(p) > 2147483647LL / 2 ||
       max_chunks(p) * p.shape.num_v_heads > 2147483647LL)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
+  // The chunk places (write_chunk_places) hold a batch row in 24 bits; varlen calls use row 0.
+  if (!p.cu_seqlens.data && p.shape.batch >= kMaxPlaceBatch)
+    return ns("batch: at most " + std::to_string(kMaxPlaceBatch - 1) + " rows without cu_seqlens (got " +
+              std::to_string(p.shape.batch) + "); pass more sequences as varlen (cu_seqlens)");
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
   if (!ds.ok()) return ds;

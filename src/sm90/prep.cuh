@@ -114,10 +114,12 @@ __device__ void block_prefix_sum(int M, Count count, int* out) {
   if (tid == 0) out[0] = 0;
 }
 
-// Each chunk's place (the fused forward's inverse kernel; chunk_place_of unpacks it): x = its
-// first token, y = batch row << 7 | tokens (<= 64). A thread writes the chunks of its sequences
-// of at most kPlaceThreadChunks chunks; longer ones its warp writes together, lanes striding the
-// chunks (one sequence of 8192 chunks: 256 rounds of one warp).
+// Each chunk's place (the fused forward's inverse kernel; inverse_place unpacks it): x = its
+// first token, y = batch row << 7 | tokens (<= 64), so batch rows below kMaxPlaceBatch
+// (check_supported refuses more). A thread writes the chunks of its sequences of at most
+// kPlaceThreadChunks chunks; longer ones its warp writes together, lanes striding the chunks
+// (one sequence of 8192 chunks: 256 rounds of one warp).
+constexpr int64_t kMaxPlaceBatch = int64_t(1) << 24;
 constexpr int kPlaceThreadChunks = 4;
 __device__ __forceinline__ void write_chunk_places(const SeqDesc& sd, int N, const int* off, int2* places) {
   const int lane = threadIdx.x & 31;

@@ -112,6 +112,33 @@ TEST(Validation, CudaDeviceWithoutGpuReportsError) {
   EXPECT_FALSE(s.message().empty());
 }
 
+TEST(Validation, CudaForwardRefusesBatchRowsPastItsPlaceField) {
+  // 2^24 batch rows without cu_seqlens: the sm90 forward's chunk places hold a row in 24 bits,
+  // so the call is refused by name before any device work (the buffers are never read).
+  std::vector<uint16_t> x(16 * 128, 0), out(16 * 128, 0);
+  std::vector<float> gb(16, 0.f);
+  const int64_t B = int64_t(1) << 24;
+  qla::GdnForwardParams f;
+  f.shape = {B, 1, 1, 1, 128, 128};
+  f.q = {x.data(), qla::DType::kBFloat16, {128, 128, 128}};
+  f.k = f.q;
+  f.v = f.q;
+  f.g = {gb.data(), qla::DType::kFloat32, {1, 1, 0}};
+  f.beta = f.g;
+  f.o = {out.data(), qla::DType::kBFloat16, {128, 128, 128}};
+  f.scale = 0.088;
+  f.device = qla::Device::kCuda;
+  size_t bytes = 123;
+  const qla::Status s = qla::gdn_forward_workspace_size(f, &bytes);
+  EXPECT_EQ(s.code(), qla::StatusCode::kNotSupported) << s.message();
+  EXPECT_TRUE(s.message().find("batch: at most 16777215 rows") != std::string::npos ||
+              s.message().find("no CUDA backend") != std::string::npos)
+      << s.message();
+  f.shape.batch = B - 1;  // one row fewer passes this check (and fails later only for want of a GPU)
+  const qla::Status t = qla::gdn_forward_workspace_size(f, &bytes);
+  EXPECT_EQ(t.message().find("batch: at most"), std::string::npos) << t.message();
+}
+
 TEST(Validation, CudaBackwardRefusesWhatTheSm90BackendCannotRun) {
   // Valid arguments on host memory with K = V = 4 and device = kCuda: refused before any device
   // work, with kNotSupported naming the limit (or the missing CUDA backend of a CPU-only build).
