@@ -14,6 +14,7 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/arch/mma_sm90.hpp>
+#include <cutlass/fast_math.h>
 #include <cutlass/numeric_types.h>
 
 #include "qla/qla.h"

@@ -349,7 +349,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     if (p.qk_l2_normalized) pp.q = nullptr;  // unit rows: the inverse kernel skips q's norms (eq = 0)
     pp.tmk = tmk;
     pp.regions = regions;
-    pp.inv_group = inv_group;
+    set_inverse_items(pp, inv_group);
     pp.ready = ready;  // (then launched in stream order: the recurrence beside it reads the chunk table)
     QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups), kInvSmem,
                                stream, pp),
@@ -506,7 +506,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   if (!s.ok()) return s;
   pp.regions = regions;
   pp.skip = g_test_inverse_skip;
-  pp.inv_group = inverse_group_for(nregions, pp.HV / pp.H, dinfo->sms);
+  set_inverse_items(pp, inverse_group_for(nregions, pp.HV / pp.H, dinfo->sms));
   gdn_fwd_inverse<T><<<inverse_grid(nregions, pp.inv_group, dinfo->sms), 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   return Status::Ok();

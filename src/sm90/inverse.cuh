@@ -80,10 +80,10 @@ struct InvRegion {
 // loads are then in flight during the previous region's inverse.
 __device__ __forceinline__ InvRegion inverse_place(const PrepParams& p, int item) {
   InvRegion q;
-  const int groups = p.HV / p.H / p.inv_group;  // per key head
-  q.ci = item / (p.H * groups);
-  const int r = item % (p.H * groups);
-  q.hv = (r / groups) * (p.HV / p.H) + (r % groups) * p.inv_group;
+  int r, hq, gi;
+  p.items_per_chunk(q.ci, r, item);
+  p.groups_per_key(hq, gi, r);
+  q.hv = hq * p.values_per_key.divisor + gi * p.inv_group;
   const int2 pl = p.places[q.ci];
   q.t0 = pl.x;
   q.b = pl.y >> 7;
@@ -104,7 +104,7 @@ __device__ __forceinline__ InvRegion with_gates(const PrepParams& p, int tid, In
 // The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
 __device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK, uint64_t* bar, int tid, const InvRegion& q) {
   if (tid == 0) {
-    const int hq = q.hv / (p.HV / p.H);
+    const int hq = p.values_per_key.div(q.hv);
     mbar_expect_tx(bar, kQKBytes);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h)
@@ -138,7 +138,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     // the previous region on, they would take 32 registers that four warpgroups per SM lack.
     uint4 qv[8];
     {
-      const int hq = q.hv / (p.HV / p.H);
+      const int hq = p.values_per_key.div(q.hv);
       const uint8_t* qb = static_cast<const uint8_t*>(p.q) + 2 * (int64_t(q.b) * p.sq[0] + int64_t(q.t0) * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {

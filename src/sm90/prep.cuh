@@ -219,7 +219,21 @@ struct PrepParams {
   const void* q;  // the inverse kernel: q's row norms (16-byte loads; element strides B, T, H)
   int64_t sq[3];
   int inv_group;  // the inverse kernel: value heads per work item, a divisor of HV / H (inverse_group)
+  // The inverse kernel's item and head arithmetic as multiply-shifts (set_inverse_items): a
+  // division by a runtime value is ~20 SASS instructions, and K1's loop must stay in the
+  // instruction cache (docs/design.md, fused-35).
+  cutlass::FastDivmod items_per_chunk;  // item -> (chunk, item in the chunk): H * groups
+  cutlass::FastDivmod groups_per_key;   // item in the chunk -> (key head, group): HV / H / inv_group
+  cutlass::FastDivmod values_per_key;   // value head -> key head: HV / H
 };
+// The inverse kernel's items: group value heads of one key head each (a divisor of HV / H).
+inline void set_inverse_items(PrepParams& pp, int group) {
+  const int per_key = pp.HV / pp.H, groups = per_key / group;
+  pp.inv_group = group;
+  pp.items_per_chunk = cutlass::FastDivmod(pp.H * groups);
+  pp.groups_per_key = cutlass::FastDivmod(groups);
+  pp.values_per_key = cutlass::FastDivmod(per_key);
+}
 
 // Host side: the sequences of a call, and what the chunk-parallel kernels (prep, inverse) take
 // from it (gates, sequences, heads, scale); the caller adds tensor maps and output pointers.
@@ -248,7 +262,7 @@ PrepParams chunk_params(const P& p, const SeqDesc& sd, int N, const int* table) 
   pp.scale = static_cast<float>(p.scale);
   pp.q = p.q.data;
   for (int i = 0; i < 3; ++i) pp.sq[i] = p.q.stride[i];
-  pp.inv_group = pp.HV / pp.H;
+  set_inverse_items(pp, pp.HV / pp.H);
   return pp;
 }
 
