@@ -132,47 +132,41 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   if (first && !p.q) {
     if (tid < kC) sQexp[tid] = 0;  // the caller's q rows have unit norm
   } else if (first) {
-    // eq_i = -round(log2 |q_i|) (one per key head: its value heads reuse it). Squares summed
-    // as T pairs (bf16 sums: a few percent, enough to pick the power of two), then over the
-    // row's 16 lanes. q's rows are read here, 16 bytes (8 dims) per thread and row: held from
-    // the previous region on, they would take 32 registers that four warpgroups per SM lack.
-    uint4 qv[8];
-    {
+    // eq_i = -round(log2 |q_i|) (one per key head: its value heads reuse it). Two threads per
+    // row, each 64 of its dims in 8 loads of 16 bytes (the pair's 32 bytes adjacent: whole
+    // sectors), and one shuffle adds the halves: a thread per 8 dims of 8 rows took 32 shuffles
+    // and 8 exponents per thread. Squares summed as T pairs per load (bf16 sums: a few percent,
+    // enough to pick the power of two), then in fp32. q is read here, not held from the
+    // previous region on: 32 registers that four warpgroups per SM lack.
+    const int row = tid >> 1;
+    float x = 0.f;
+    if (row < len) {
       const int hq = p.values_per_key.div(q.hv);
-      const uint8_t* qb = static_cast<const uint8_t*>(p.q) + 2 * (int64_t(q.b) * p.sq[0] + int64_t(q.t0) * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 15);
+      const uint8_t* qb = static_cast<const uint8_t*>(p.q) +
+                          2 * (int64_t(q.b) * p.sq[0] + int64_t(q.t0 + row) * p.sq[1] + hq * p.sq[2]) + 16 * (tid & 1);
+      uint4 qv[8];
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) qv[j] = __ldg(reinterpret_cast<const uint4*>(qb + 32 * j));
       CUTE_UNROLL
       for (int j = 0; j < 8; ++j) {
-        const int row = (tid >> 4) + 8 * j;
-        qv[j] = row < len ? __ldg(reinterpret_cast<const uint4*>(qb + 2 * row * p.sq[1])) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    float x[8];
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t* pu = &qv[j].x;
-      if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-        uint32_t acc = 0u;
-        CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) asm("fma.rn.bf16x2 %0, %1, %1, %0;" : "+r"(acc) : "r"(pu[e]));
-        const float2 f = unpack2<T>(acc);
-        x[j] = f.x + f.y;
-      } else {
-        x[j] = 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = unpack2<T>(pu[e]);
-          x[j] = fmaf(f.x, f.x, fmaf(f.y, f.y, x[j]));
+        const uint32_t* pu = &qv[j].x;
+        if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+          uint32_t acc = 0u;
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) asm("fma.rn.bf16x2 %0, %1, %1, %0;" : "+r"(acc) : "r"(pu[e]));
+          const float2 f = unpack2<T>(acc);
+          x += f.x + f.y;
+        } else {
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack2<T>(pu[e]);
+            x = fmaf(f.x, f.x, fmaf(f.y, f.y, x));
+          }
         }
       }
     }
-    CUTE_UNROLL
-    for (int m = 1; m < 16; m <<= 1)
-      CUTE_UNROLL
-      for (int j = 0; j < 8; ++j) x[j] += __shfl_xor_sync(0xffffffffu, x[j], m);
-    if ((tid & 15) == 0)
-      CUTE_UNROLL
-      for (int j = 0; j < 8; ++j)
-        sQexp[(tid >> 4) + 8 * j] = x[j] > 0.f ? max(-30, min(30, -(float_exponent(2.f * x[j]) >> 1))) : 0;
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    if ((tid & 1) == 0) sQexp[row] = x > 0.f ? max(-30, min(30, -(float_exponent(2.f * x) >> 1))) : 0;
   }
   QLA_PHASE(0);  // q's exponents (the item's first region, without the unit-norm hint)
   uint32_t* sRed = reinterpret_cast<uint32_t*>(sm + kInvRed);
