@@ -29,7 +29,7 @@ def source_coefficients(path: str = _SRC) -> dict:
     """The model's constants as the C++ source defines them (constexpr double / int)."""
     text = open(path).read()
     co = {}
-    for name in _NAMES + ("kWarmChunksTypical", "kMaxPiecesPerSeq"):
+    for name in _NAMES + ("kWarmChunksTypical", "kMaxPiecesPerSeq", "kTwoPassShare", "kFusedMinChunks", "kFusedMinPairs"):
         m = re.search(r"\b" + name + r"\s*=\s*([0-9.]+)", text)
         if not m:
             raise SystemExit(f"{path}: no constant {name}")
@@ -109,6 +109,18 @@ def misfit_ms(co: dict, rows: list) -> float:
 def best_pieces(co: dict, row: dict) -> int:
     cands = range(1, int(co["kMaxPiecesPerSeq"]) + 1)
     return min((p for p in cands if p <= row["longest"]), key=lambda p: cost_us(co, row["pairs"], row["longest"], p))
+
+
+def takes_fused(co: dict, pairs: float, longest: int) -> bool:
+    """forward_choice's path for an auto call of few pairs (below kFusedMinPairs): the fused
+    forward when the sequences are long enough and the best split beats the two-pass estimate
+    (kTwoPassShare of the unsplit fused time)."""
+    if pairs >= co["kFusedMinPairs"]:
+        return True
+    if longest < co["kFusedMinChunks"]:
+        return False
+    p = best_pieces(co, dict(pairs=pairs, longest=longest))
+    return p > 1 and cost_us(co, pairs, longest, p) < co["kTwoPassShare"] * cost_us(co, pairs, longest, 1)
 
 
 def regret(co: dict, rows: list) -> float:

@@ -1,5 +1,5 @@
 // sm90 (Hopper, sm_90a) forward backend of the Gated DeltaNet chunked prefill. Two forwards,
-// chosen per call by use_fused() (the shape alone); both run three launches on p.stream with no
+// chosen per call by forward_choice() (the shape alone); both run three launches on p.stream with no
 // host synchronisation (graph-capturable):
 // The fused forward (docs/fused.md; >= 20 (sequence, value head) pairs):
 //   1. gdn_chunk_table: per-sequence chunk offsets (prefix sum of ceil(len/64)) and the check of
@@ -93,30 +93,35 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
   return c;
 }
 
-// Which forward runs (the one place that decides). The fused forward (inverse kernel + fused
-// recurrence, docs/fused.md) once there are at least kFusedMinPairs (sequence, value head) pairs,
-// or sequences of at least kFusedMinChunks chunks that it splits (split.cuh; 2/8 at 1x8192: 0.233
-// against 0.239 ms, 1x32768: 0.47 against 0.86), or whenever splitting is forced on. Below that
-// (few pairs of short sequences) the two-pass forward's V tile 32 with the prep beside it is
-// faster. The threshold lies between the grid's 16 and 24 pairs (the harness's --short-bench,
-// 2026-12-01): at 16 pairs the two-pass forward is 12-15% faster (4/16 at 1x4096: 0.135 against
-// 0.155 ms, 16/16 at 1x2048: 0.088 against 0.101), at 24 pairs the fused one wins (8/24 at
-// 1x4096: 0.172 against 0.201, 1x2048: 0.110 against 0.114). batch_invariant calls take the fused forward
+// Which forward runs (the one place that decides, with forward_choice below). The fused forward
+// (inverse kernel + fused recurrence, docs/fused.md) once there are at least kFusedMinPairs
+// (sequence, value head) pairs, or whenever splitting is forced on; sequences of at least
+// kFusedMinChunks chunks take it when the cost model splits them (split.cuh): 2/8 at 1x4096
+// (64 chunks) 0.112 against the two-pass 0.134 ms, 1x8192 0.146 against 0.238, 1x32768 0.360
+// against 0.866 (2026-12-03); at 32 chunks (1x2048) the model keeps the sequence whole and the
+// two-pass forward is as fast (0.081 against the fused 0.085). Below that (few pairs of short
+// sequences) the two-pass forward's V tile 32 with the prep beside it is faster. The pair
+// threshold lies between the grid's 16 and 24 pairs (the harness's --short-bench, 2026-12-01):
+// at 16 pairs the two-pass forward is 12-15% faster (4/16 at 1x4096: 0.135 against 0.155 ms,
+// 16/16 at 1x2048: 0.088 against 0.101), at 24 pairs the fused one wins (8/24 at 1x4096: 0.172
+// against 0.201, 1x2048: 0.110 against 0.114). batch_invariant calls take the fused forward
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
 // the params alone (no data), so the workspace query agrees with the launch.
 constexpr int64_t kFusedMinPairs = 20;
-constexpr int64_t kFusedMinChunks = 128;
-bool use_fused(const GdnForwardParams& p) {
+constexpr int64_t kFusedMinChunks = 64;
+enum class Path { kTwoPass, kFused, kFusedIfSplit };
+Path path_rule(const GdnForwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_fused) return g_test_fused > 0;
-  if (g_test_overlap >= 0 || g_test_stages != 3) return false;  // two-pass options
+  if (g_test_fused) return g_test_fused > 0 ? Path::kFused : Path::kTwoPass;
+  if (g_test_overlap >= 0 || g_test_stages != 3) return Path::kTwoPass;  // two-pass options
 #endif
-  if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return true;
-  if (p.split == SplitMode::kOn || p.batch_invariant) return true;
-  if (p.split == SplitMode::kAuto && chunk_counts(p).longest >= kFusedMinChunks) return true;
-  return num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs;
+  if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return Path::kFused;
+  if (p.split == SplitMode::kOn || p.batch_invariant) return Path::kFused;
+  if (num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs) return Path::kFused;
+  if (p.split == SplitMode::kAuto && chunk_counts(p).longest >= kFusedMinChunks) return Path::kFusedIfSplit;
+  return Path::kTwoPass;
 }
 
 // Sequence splitting (split.cuh, docs/split.md), decided from the shapes alone (so the workspace
@@ -139,6 +144,10 @@ constexpr double kScanStepUs = 4.0;                    // one step of the scan
 constexpr double kPassUs = 10.0;                       // the scan and pass 1 launches
 constexpr double kExactShare = 0.25;                   // heads assumed to take the exact path
 constexpr int kWarmChunksTypical = 5;
+// Below kFusedMinPairs the two-pass forward takes about 0.87 of the unsplit fused time (2/8 at
+// 1x2048 0.91, 1x4096 0.92, 1x8192 0.85; 4/16 at 1x4096 0.87; 16/16 at 1x2048 0.87): a split
+// must beat that to be taken there (4/16 at 1x4096 splits into 4 pieces at 0.91 of unsplit: not).
+constexpr double kTwoPassShare = 0.87;
 double split_cost(double pairs, int64_t longest, int np, int sms) {
   // A pass of equal pieces fills whole waves; the unsplit pass counts its waves as a fraction:
   // its pairs are a length-weighted count, its longest sequences' CTAs run in the first wave and
@@ -159,13 +168,17 @@ double split_cost(double pairs, int64_t longest, int np, int sms) {
          (np - 2) * kScanStepUs + kPassUs;
 }
 struct SplitChoice {
+  bool fused = false;      // the fused forward (else the two-pass one)
   PiecePlan plan;
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
 };
-SplitChoice split_choice(const GdnForwardParams& p, int sms) {
+SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
   SplitChoice sc;
-  if (!use_fused(p) || p.split == SplitMode::kOff) return sc;
+  const Path path = path_rule(p);
+  if (path == Path::kTwoPass) return sc;
+  sc.fused = path == Path::kFused;
+  if (p.split == SplitMode::kOff) return sc;
   const int64_t N = num_seqs(p);
   const ChunkCounts counts = chunk_counts(p);
   const int64_t longest = counts.longest;  // device cu_seqlens alone: a bound
@@ -190,10 +203,16 @@ SplitChoice split_choice(const GdnForwardParams& p, int sms) {
       if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np;
     }
     if (best == 1) return sc;
+    if (path == Path::kFusedIfSplit && best_cost >= kTwoPassShare * split_cost(pairs, longest, 1, sms)) return sc;
+    sc.fused = true;
     sc.plan.piece_chunks = static_cast<int>((longest + best - 1) / best);
     sc.plan.max_pieces = best;
   }
-  if (longest <= sc.plan.piece_chunks) return SplitChoice{};
+  if (longest <= sc.plan.piece_chunks) {
+    SplitChoice whole;
+    whole.fused = sc.fused;
+    return whole;
+  }
   // The maps then take at most 1/8 of v's bytes with pieces of 64 chunks (batch_invariant),
   // however many short sequences the call holds (piece_bounds, common.cuh).
   const int64_t tokens = p.cu_seqlens.data ? p.shape.seqlen : p.shape.batch * p.shape.seqlen;
@@ -218,14 +237,14 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   w.ready = w.places + up(8 * mc);  // one int per (chunk, value head)
   w.pieces = w.ready + up(4 * mc * HV);
   w.regions = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);
-  w.maps = w.regions + up(mc * HV * (use_fused(p) ? kInvRegionBytes : kRegionBytes));
+  w.maps = w.regions + up(mc * HV * (sc.fused ? kInvRegionBytes : kRegionBytes));
   w.total = w.maps + static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
   return w;
 }
 WsLayout ws_layout(const GdnForwardParams& p) {
   DeviceInfo* dinfo = nullptr;
   const int sms = device_info(&dinfo).ok() ? dinfo->sms : 132;
-  return ws_layout(p, split_choice(p, sms));
+  return ws_layout(p, forward_choice(p, sms));
 }
 
 // The one-time work of a first call, per device and dtype: opt in to more than 48 KiB of
@@ -396,7 +415,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.pass = 0;
   s = chunks(sc.max_pieces ? 2 * nr : nr);
   if (!s.ok() || !sc.max_pieces) return s;
-  gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), 256, 0, stream>>>(rp);
+  gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
   return chunks(nr);
@@ -425,7 +444,7 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 
   const SeqDesc sd = seq_desc(p);
   int* table = reinterpret_cast<int*>(ws + wl.table);
-  if (use_fused(p)) return launch_fused<T>(p, sc, wl, tmq, tmk, sd, dinfo->sms);
+  if (sc.fused) return launch_fused<T>(p, sc, wl, tmq, tmk, sd, dinfo->sms);
 
   // The two-pass forward.
   int stages = 3;
@@ -610,7 +629,7 @@ Status forward(const GdnForwardParams& p) {
   DeviceInfo* dinfo = nullptr;
   s = device_info(&dinfo);  // cached; check_supported has read it
   if (!s.ok()) return s;
-  const SplitChoice sc = split_choice(p, dinfo->sms);
+  const SplitChoice sc = forward_choice(p, dinfo->sms);
   const WsLayout wl = ws_layout(p, sc);
   s = check_workspace("sm90 forward", p.workspace, p.workspace_bytes, wl.total);
   if (!s.ok()) return s;

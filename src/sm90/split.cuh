@@ -142,15 +142,25 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
   return r;
 }
 
-// The scan of the exact path (between passes 0 and 1), per (sequence, value head, 32 state
+// The scan of the exact path (between passes 0 and 1), per (sequence, value head, 8 state
 // columns): S_{j+1} = M_j S_j + R_j for j = 1 .. np - 2, in place of R_j (R_0 is already S_1, the
 // state after piece 0 run from h0). fp32 with a fixed summation order (bitwise deterministic).
-// 256 threads: thread t computes rows t / 2, columns 16 (t & 1) .. + 15 of the slice.
-constexpr int kScanCols = 32;
-__global__ void __launch_bounds__(256) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  __shared__ float sS[kDK][kScanCols];  // the state entering piece j (this CTA's columns)
+// The chain is the np - 2 dependent steps, so a step must be short: M_j does not depend on the
+// chain, so each thread loads its part of M_{j+1} (and R_{j+1}) into registers while it computes
+// step j, and only S crosses the threads (shared memory, read as broadcasts). Thread t holds row
+// d = t % 128 of M over the half h = t / 128 of the reduction; the two halves' sums meet in
+// shared memory (half 0 adds half 1's, then R). 16 CTAs per (sequence, value head) each read all
+// of M_j per step from L2 (64 KiB: about the step's compute at 8 columns).
+constexpr int kScanCols = 8;
+constexpr int kScanThreads = 256;
+constexpr int kScanHalf = kDK / 2;  // reduction indices per thread
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
+  __shared__ __align__(16) float sS[kDK][kScanCols];  // the state entering piece j (this CTA's columns)
+  __shared__ __align__(16) float sPart[kDK][kScanCols];  // half 1's sums
+  __shared__ int s_warm;
   const int tid = threadIdx.x;
-  const int cs = static_cast<int>(blockIdx.x % (kDV / kScanCols)), hv = static_cast<int>(blockIdx.x / (kDV / kScanCols));
+  constexpr int kSlices = kDV / kScanCols;
+  const int cs = static_cast<int>(blockIdx.x % kSlices), hv = static_cast<int>(blockIdx.x / kSlices);
   const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
   if (rank >= p.N || p.chunk_off[p.N + 1]) return;
   const int n = p.chunk_off[p.N + 2 + rank];
@@ -159,7 +169,6 @@ __global__ void __launch_bounds__(256) gdn_fwd_scan(const __grid_constant__ RecP
   const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), p.plan);
   if (sp.np < 3) return;
   const int ci0 = p.chunk_off[n];
-  __shared__ int s_warm;
   if (tid < 32) {
     const bool w = warm_path(p, ci0, hv, sp, tid);
     if (tid == 0) s_warm = w;
@@ -167,34 +176,68 @@ __global__ void __launch_bounds__(256) gdn_fwd_scan(const __grid_constant__ RecP
   __syncthreads();
   if (s_warm) return;
   const int map0 = p.pieces[rank] - rank;
-  const int d = tid >> 1, c0 = cs * kScanCols + 16 * (tid & 1);
-  auto map_of = [&](int j) { return map_at(p, map0 + j, hv); };
-  float acc[16];
-  {
-    const float* r0 = map_of(0) + d * kMapCols + c0;
+  const int d = tid % kDK, h = tid / kDK, c0 = cs * kScanCols;
+  auto row_of = [&](int j) { return map_at(p, map0 + j, hv) + d * kMapCols; };  // row d of [R_j | M_j]
+  // M_j's row d, this thread's half of the reduction, and (half 0) R_j's row d, this CTA's columns.
+  float m[kScanHalf], mn[kScanHalf];
+  float4 r[2], rn[2];
+  auto load_m = [&](int j, float* dst) {
+    const float4* src = reinterpret_cast<const float4*>(row_of(j) + kDV + h * kScanHalf);
     CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) acc[i] = r0[i];
+    for (int i = 0; i < kScanHalf / 4; ++i) {
+      const float4 v = src[i];
+      dst[4 * i] = v.x, dst[4 * i + 1] = v.y, dst[4 * i + 2] = v.z, dst[4 * i + 3] = v.w;
+    }
+  };
+  auto load_r = [&](int j, float4* dst) {
+    const float4* src = reinterpret_cast<const float4*>(row_of(j) + c0);
+    dst[0] = src[0], dst[1] = src[1];
+  };
+  if (h == 0) {  // S_1 = R_0
+    float4 s0[2];
+    load_r(0, s0);
+    reinterpret_cast<float4*>(sS[d])[0] = s0[0];
+    reinterpret_cast<float4*>(sS[d])[1] = s0[1];
+    load_r(1, r);
   }
+  load_m(1, m);
+  __syncthreads();
   for (int j = 1; j + 1 < sp.np; ++j) {
-    __syncthreads();  // the previous step's reads of sS are done
+    const bool more = j + 2 < sp.np;
+    if (more) {  // the next step's operands, off the chain
+      load_m(j + 1, mn);
+      if (h == 0) load_r(j + 1, rn);
+    }
+    float acc[kScanCols] = {};
     CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) sS[d][16 * (tid & 1) + i] = acc[i];
-    __syncthreads();
-    float* mj = map_of(j);
-    const float* mrow = mj + d * kMapCols + kDV;  // M_j's row d
-    float* rrow = mj + d * kMapCols + c0;
-    CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) acc[i] = rrow[i];
-    for (int e = 0; e < kDK; e += 4) {
-      const float4 m4 = *reinterpret_cast<const float4*>(mrow + e);
-      const float mm[4] = {m4.x, m4.y, m4.z, m4.w};
+    for (int e = 0; e < kScanHalf; ++e) {
+      const float4 s_lo = reinterpret_cast<const float4*>(sS[h * kScanHalf + e])[0];
+      const float4 s_hi = reinterpret_cast<const float4*>(sS[h * kScanHalf + e])[1];
+      const float sv[kScanCols] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
       CUTE_UNROLL
-      for (int k = 0; k < 4; ++k)
-        CUTE_UNROLL
-        for (int i = 0; i < 16; ++i) acc[i] = fmaf(mm[k], sS[e + k][16 * (tid & 1) + i], acc[i]);
+      for (int c = 0; c < kScanCols; ++c) acc[c] = fmaf(m[e], sv[c], acc[c]);
+    }
+    if (h == 1) {
+      reinterpret_cast<float4*>(sPart[d])[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      reinterpret_cast<float4*>(sPart[d])[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    __syncthreads();  // half 1's sums are in sPart; every read of sS for this step is done
+    if (h == 0) {
+      const float4 q_lo = reinterpret_cast<const float4*>(sPart[d])[0];
+      const float4 q_hi = reinterpret_cast<const float4*>(sPart[d])[1];
+      const float4 s_lo = make_float4((acc[0] + q_lo.x) + r[0].x, (acc[1] + q_lo.y) + r[0].y, (acc[2] + q_lo.z) + r[0].z,
+                                      (acc[3] + q_lo.w) + r[0].w);
+      const float4 s_hi = make_float4((acc[4] + q_hi.x) + r[1].x, (acc[5] + q_hi.y) + r[1].y, (acc[6] + q_hi.z) + r[1].z,
+                                      (acc[7] + q_hi.w) + r[1].w);
+      reinterpret_cast<float4*>(sS[d])[0] = s_lo;
+      reinterpret_cast<float4*>(sS[d])[1] = s_hi;
+      float4* dst = reinterpret_cast<float4*>(row_of(j) + c0);  // S_{j+1} in place of R_j
+      dst[0] = s_lo, dst[1] = s_hi;
+      r[0] = rn[0], r[1] = rn[1];
     }
     CUTE_UNROLL
-    for (int i = 0; i < 16; ++i) rrow[i] = acc[i];
+    for (int e = 0; e < kScanHalf; ++e) m[e] = mn[e];
+    __syncthreads();  // S_{j+1} is in sS; sPart may be written again
   }
 }
 

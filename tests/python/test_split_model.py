@@ -32,8 +32,8 @@ def test_piece_count_matches_the_kernels_rule():
 
 
 def test_short_rows_stay_unsplit_and_uneven_wide_rows_too():
-    # The short rows of the sixth session's --split --bench: below 128 chunks no piece count beat
-    # the unsplit fused forward, and the model keeps them whole.
+    # The short rows of the sixth session's --split --bench: there no piece count beat the
+    # unsplit fused forward, and the model keeps them whole.
     rows = {r["name"]: r for r in scm.parse(os.path.join(ROOT, "bench", "results", "raw",
                                                          "fwd_split_bench_short_2026-12-01.txt"))}
     co = scm.source_coefficients()
@@ -47,3 +47,20 @@ def test_short_rows_stay_unsplit_and_uneven_wide_rows_too():
     assert scm.best_pieces(co, dict(pairs=64 * 512 / 448, longest=448)) == 1
     assert scm.best_pieces(co, dict(pairs=96, longest=256)) == 1
     assert scm.best_pieces(co, dict(pairs=8, longest=512)) == 8
+
+
+def test_few_pair_rows_split_after_the_narrow_scan():
+    # The sixteenth session's --split --bench (the scan at 8 state columns per CTA): the model
+    # picks the measured best piece count or one within 3% of it, and the dispatch takes the
+    # fused forward, split, where a split beats the two-pass estimate: 2/8 at 1x4096 (8 pairs, 64
+    # chunks: 0.112 ms split against 0.134 two-pass), not 4/16 there (16 pairs: split gains
+    # less than the two-pass forward's 13%) nor 2/8 at 1x2048 (32 chunks).
+    rows = scm.parse(os.path.join(ROOT, "bench", "results", "raw", "fwd_split_bench_2026-12-03.txt"))
+    co = scm.source_coefficients()
+    assert len(rows) >= 13
+    assert scm.regret(co, rows) < 1.01
+    assert scm.takes_fused(co, 8, 64)
+    assert scm.takes_fused(co, 8, 128) and scm.takes_fused(co, 16, 128)
+    assert not scm.takes_fused(co, 16, 64)
+    assert not scm.takes_fused(co, 8, 32)
+    assert scm.takes_fused(co, 20, 8)  # the pair threshold alone
