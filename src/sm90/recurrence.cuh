@@ -41,7 +41,7 @@ struct RecParams {
   int pass;           // 0: transfer maps, first pieces and warm-up pieces; 1: the other pieces
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
   float warm_decay;   // warm-up when the chunks before a boundary sum g to at most this (log) ...
-  int warm_max;       // ... within this many chunks (0: never)
+  int warm_max;       // ... within this many chunks (0: never; at most kWarmMaxChunks, split.cuh)
   // Test builds only (set_test_fused_skip): what the fused recurrence leaves out, for timing
   // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
   // gates), 8 o's stores. 0 in the library.

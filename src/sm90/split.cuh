@@ -48,9 +48,16 @@ __device__ __forceinline__ float chunk_log_decay(const RecParams& p, int ci, int
 // The warm-up length of the boundary before chunk bc of a sequence (first chunk ci0): the fewest
 // chunks before it whose gates sum to at most warm_decay, 0 if warm_max chunks do not.
 __device__ __forceinline__ int warm_chunks(const RecParams& p, int ci0, int hv, int bc) {
+  // The kWarmMaxChunks decays are loaded together (one load latency, not one per chunk: this
+  // runs at the start of every piece's CTA and of the scan), then summed in order.
+  float dec[kWarmMaxChunks];
+  CUTE_UNROLL
+  for (int w = 1; w <= kWarmMaxChunks; ++w) dec[w - 1] = w <= p.warm_max && w <= bc ? chunk_log_decay(p, ci0 + bc - w, hv) : 0.f;
   float s = 0.f;
-  for (int w = 1; w <= p.warm_max && w <= bc; ++w) {
-    s += chunk_log_decay(p, ci0 + bc - w, hv);
+  CUTE_UNROLL
+  for (int w = 1; w <= kWarmMaxChunks; ++w) {
+    if (w > p.warm_max || w > bc) return 0;
+    s += dec[w - 1];
     if (s <= p.warm_decay) return w;
   }
   return 0;
@@ -145,18 +152,24 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
 // The scan of the exact path (between passes 0 and 1), per (sequence, value head, 8 state
 // columns): S_{j+1} = M_j S_j + R_j for j = 1 .. np - 2, in place of R_j (R_0 is already S_1, the
 // state after piece 0 run from h0). fp32 with a fixed summation order (bitwise deterministic).
-// The chain is the np - 2 dependent steps, so a step must be short: M_j does not depend on the
-// chain, so each thread loads its part of M_{j+1} (and R_{j+1}) into registers while it computes
-// step j, and only S crosses the threads (shared memory, read as broadcasts). Thread t holds row
-// d = t % 128 of M over the half h = t / 128 of the reduction; the two halves' sums meet in
-// shared memory (half 0 adds half 1's, then R). 16 CTAs per (sequence, value head) each read all
-// of M_j per step from L2 (64 KiB: about the step's compute at 8 columns).
+// The chain is the np - 2 dependent steps, so a step must be short:
+//   - M_j does not depend on the chain: each thread loads its part of M_{j+1} (and R_{j+1}) into
+//     registers while it computes step j;
+//   - only S crosses the threads, through shared memory, read as broadcasts. Those reads bound
+//     the step (one 16-byte broadcast per 4 FMAs took 3.8 us a step), so a thread computes a
+//     block of kScanRows rows: each S load feeds kScanRows x 4 FMAs.
+// Thread t holds rows t % 32 + 32 i (i < kScanRows) of M over the reduction part t / 32 (16
+// indices); the 8 parts' sums meet in shared memory, where thread t adds them in order for row
+// t / 2, columns 4 (t & 1) .. + 3, then R. 16 CTAs per (sequence, value head).
 constexpr int kScanCols = 8;
 constexpr int kScanThreads = 256;
-constexpr int kScanHalf = kDK / 2;  // reduction indices per thread
+constexpr int kScanRows = 4;                                       // rows of M per thread
+constexpr int kScanParts = kScanThreads / (kDK / kScanRows);       // 8 parts of the reduction
+constexpr int kScanSpan = kDK / kScanParts;                        // 16 reduction indices per thread
 __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  __shared__ __align__(16) float sS[kDK][kScanCols];  // the state entering piece j (this CTA's columns)
-  __shared__ __align__(16) float sPart[kDK][kScanCols];  // half 1's sums
+  static_assert(kScanCols == 8 && kScanThreads == 2 * kDK, "the final sum: a thread per (row, 4 columns)");
+  __shared__ __align__(16) float sS[kDK][kScanCols];                // the state entering piece j (this CTA's columns)
+  __shared__ __align__(16) float sPart[kScanParts][kDK][kScanCols];  // each part's sums
   __shared__ int s_warm;
   const int tid = threadIdx.x;
   constexpr int kSlices = kDV / kScanCols;
@@ -176,67 +189,71 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   __syncthreads();
   if (s_warm) return;
   const int map0 = p.pieces[rank] - rank;
-  const int d = tid % kDK, h = tid / kDK, c0 = cs * kScanCols;
-  auto row_of = [&](int j) { return map_at(p, map0 + j, hv) + d * kMapCols; };  // row d of [R_j | M_j]
-  // M_j's row d, this thread's half of the reduction, and (half 0) R_j's row d, this CTA's columns.
-  float m[kScanHalf], mn[kScanHalf];
-  float4 r[2], rn[2];
-  auto load_m = [&](int j, float* dst) {
-    const float4* src = reinterpret_cast<const float4*>(row_of(j) + kDV + h * kScanHalf);
+  const int c0 = cs * kScanCols;
+  auto map_of = [&](int j) { return map_at(p, map0 + j, hv); };  // [R_j | M_j], rows of kMapCols
+  // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
+  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
+  float m[kScanRows][kScanSpan], mn[kScanRows][kScanSpan];
+  auto load_m = [&](int j, float (&dst)[kScanRows][kScanSpan]) {
+    const float* mj = map_of(j) + kDV + e0;
     CUTE_UNROLL
-    for (int i = 0; i < kScanHalf / 4; ++i) {
-      const float4 v = src[i];
-      dst[4 * i] = v.x, dst[4 * i + 1] = v.y, dst[4 * i + 2] = v.z, dst[4 * i + 3] = v.w;
+    for (int i = 0; i < kScanRows; ++i) {
+      const float4* src = reinterpret_cast<const float4*>(mj + (r0 + 32 * i) * kMapCols);
+      CUTE_UNROLL
+      for (int q = 0; q < kScanSpan / 4; ++q) {
+        const float4 v = src[q];
+        dst[i][4 * q] = v.x, dst[i][4 * q + 1] = v.y, dst[i][4 * q + 2] = v.z, dst[i][4 * q + 3] = v.w;
+      }
     }
   };
-  auto load_r = [&](int j, float4* dst) {
-    const float4* src = reinterpret_cast<const float4*>(row_of(j) + c0);
-    dst[0] = src[0], dst[1] = src[1];
-  };
-  if (h == 0) {  // S_1 = R_0
-    float4 s0[2];
-    load_r(0, s0);
-    reinterpret_cast<float4*>(sS[d])[0] = s0[0];
-    reinterpret_cast<float4*>(sS[d])[1] = s0[1];
-    load_r(1, r);
-  }
+  // The final sums: row fd, columns fc .. fc + 3 of this CTA's slice (R_j's part of them in r).
+  const int fd = tid / 2, fc = 4 * (tid & 1);
+  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + c0 + fc); };
+  reinterpret_cast<float4*>(&sS[fd][fc])[0] = *r_of(0);  // S_1 = R_0
+  float4 r = *r_of(1), rn = r;
   load_m(1, m);
   __syncthreads();
   for (int j = 1; j + 1 < sp.np; ++j) {
-    const bool more = j + 2 < sp.np;
-    if (more) {  // the next step's operands, off the chain
+    if (j + 2 < sp.np) {  // the next step's operands, off the chain
       load_m(j + 1, mn);
-      if (h == 0) load_r(j + 1, rn);
+      rn = *r_of(j + 1);
     }
-    float acc[kScanCols] = {};
+    float4 acc[kScanRows][2];
     CUTE_UNROLL
-    for (int e = 0; e < kScanHalf; ++e) {
-      const float4 s_lo = reinterpret_cast<const float4*>(sS[h * kScanHalf + e])[0];
-      const float4 s_hi = reinterpret_cast<const float4*>(sS[h * kScanHalf + e])[1];
-      const float sv[kScanCols] = {s_lo.x, s_lo.y, s_lo.z, s_lo.w, s_hi.x, s_hi.y, s_hi.z, s_hi.w};
+    for (int i = 0; i < kScanRows; ++i) acc[i][0] = acc[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    CUTE_UNROLL
+    for (int e = 0; e < kScanSpan; ++e) {
+      const float4 s_lo = reinterpret_cast<const float4*>(sS[e0 + e])[0];  // broadcasts
+      const float4 s_hi = reinterpret_cast<const float4*>(sS[e0 + e])[1];
       CUTE_UNROLL
-      for (int c = 0; c < kScanCols; ++c) acc[c] = fmaf(m[e], sv[c], acc[c]);
-    }
-    if (h == 1) {
-      reinterpret_cast<float4*>(sPart[d])[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      reinterpret_cast<float4*>(sPart[d])[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    }
-    __syncthreads();  // half 1's sums are in sPart; every read of sS for this step is done
-    if (h == 0) {
-      const float4 q_lo = reinterpret_cast<const float4*>(sPart[d])[0];
-      const float4 q_hi = reinterpret_cast<const float4*>(sPart[d])[1];
-      const float4 s_lo = make_float4((acc[0] + q_lo.x) + r[0].x, (acc[1] + q_lo.y) + r[0].y, (acc[2] + q_lo.z) + r[0].z,
-                                      (acc[3] + q_lo.w) + r[0].w);
-      const float4 s_hi = make_float4((acc[4] + q_hi.x) + r[1].x, (acc[5] + q_hi.y) + r[1].y, (acc[6] + q_hi.z) + r[1].z,
-                                      (acc[7] + q_hi.w) + r[1].w);
-      reinterpret_cast<float4*>(sS[d])[0] = s_lo;
-      reinterpret_cast<float4*>(sS[d])[1] = s_hi;
-      float4* dst = reinterpret_cast<float4*>(row_of(j) + c0);  // S_{j+1} in place of R_j
-      dst[0] = s_lo, dst[1] = s_hi;
-      r[0] = rn[0], r[1] = rn[1];
+      for (int i = 0; i < kScanRows; ++i) {
+        const float me = m[i][e];
+        acc[i][0].x = fmaf(me, s_lo.x, acc[i][0].x), acc[i][0].y = fmaf(me, s_lo.y, acc[i][0].y);
+        acc[i][0].z = fmaf(me, s_lo.z, acc[i][0].z), acc[i][0].w = fmaf(me, s_lo.w, acc[i][0].w);
+        acc[i][1].x = fmaf(me, s_hi.x, acc[i][1].x), acc[i][1].y = fmaf(me, s_hi.y, acc[i][1].y);
+        acc[i][1].z = fmaf(me, s_hi.z, acc[i][1].z), acc[i][1].w = fmaf(me, s_hi.w, acc[i][1].w);
+      }
     }
     CUTE_UNROLL
-    for (int e = 0; e < kScanHalf; ++e) m[e] = mn[e];
+    for (int i = 0; i < kScanRows; ++i) {
+      float4* dst = reinterpret_cast<float4*>(sPart[part][r0 + 32 * i]);
+      dst[0] = acc[i][0], dst[1] = acc[i][1];
+    }
+    __syncthreads();  // every part's sums are in sPart; every read of sS for this step is done
+    float4 sn = reinterpret_cast<const float4*>(&sPart[0][fd][fc])[0];
+    CUTE_UNROLL
+    for (int q = 1; q < kScanParts; ++q) {
+      const float4 v = reinterpret_cast<const float4*>(&sPart[q][fd][fc])[0];
+      sn.x += v.x, sn.y += v.y, sn.z += v.z, sn.w += v.w;
+    }
+    sn.x += r.x, sn.y += r.y, sn.z += r.z, sn.w += r.w;
+    reinterpret_cast<float4*>(&sS[fd][fc])[0] = sn;
+    *r_of(j) = sn;  // S_{j+1} in place of R_j
+    r = rn;
+    CUTE_UNROLL
+    for (int i = 0; i < kScanRows; ++i)
+      CUTE_UNROLL
+      for (int e = 0; e < kScanSpan; ++e) m[i][e] = mn[i][e];
     __syncthreads();  // S_{j+1} is in sS; sPart may be written again
   }
 }

@@ -767,6 +767,10 @@ int main(int argc, char** argv) {
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
+  if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
+    g_split = qla::SplitMode::kOn;
+    g_split_chunks = std::atoi(e);
+  }
   int ndev = 0;
   // 77: skipped (ctest SKIP_RETURN_CODE) on machines without a GPU, such as CI.
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) { std::printf("no CUDA device: skipped\n"); return 77; }
