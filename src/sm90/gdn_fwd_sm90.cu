@@ -63,6 +63,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
+int g_test_scan_staged = 0;  // test builds only: 1 runs gdn_fwd_scan_staged (split.cuh) instead of gdn_fwd_scan
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -264,6 +265,10 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
+#ifdef QLA_SM90_TEST_HOOKS
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_scan_staged, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kScanStagedSmem),
+               "cudaFuncSetAttribute(gdn_fwd_scan_staged)");
+#endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -415,6 +420,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.pass = 0;
   s = chunks(sc.max_pieces ? 2 * nr : nr);
   if (!s.ok() || !sc.max_pieces) return s;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_scan_staged)
+    gdn_fwd_scan_staged<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanStagedSmem, stream>>>(rp);
+  else
+#endif
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
@@ -550,6 +560,7 @@ void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
+void set_test_scan_staged(int on) { g_test_scan_staged = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -166,31 +166,84 @@ constexpr int kScanThreads = 256;
 constexpr int kScanRows = 4;                                       // rows of M per thread
 constexpr int kScanParts = kScanThreads / (kDK / kScanRows);       // 8 parts of the reduction
 constexpr int kScanSpan = kDK / kScanParts;                        // 16 reduction indices per thread
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  static_assert(kScanCols == 8 && kScanThreads == 2 * kDK, "the final sum: a thread per (row, 4 columns)");
-  __shared__ __align__(16) float sS[kDK][kScanCols];                // the state entering piece j (this CTA's columns)
-  __shared__ __align__(16) float sPart[kScanParts][kDK][kScanCols];  // each part's sums
-  __shared__ int s_warm;
-  const int tid = threadIdx.x;
+static_assert(kScanCols == 8 && kScanThreads == 2 * kDK, "the final sum: a thread per (row, 4 columns)");
+
+// A scan CTA's chain: (sequence, value head, column slice), its pieces and first map; false
+// (the same in every thread) when it has none: fewer than three pieces, or the warm-up path.
+struct ScanCta {
+  int hv, c0, np, map0;
+};
+__device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCta& sc) {
   constexpr int kSlices = kDV / kScanCols;
-  const int cs = static_cast<int>(blockIdx.x % kSlices), hv = static_cast<int>(blockIdx.x / kSlices);
+  sc.hv = static_cast<int>(blockIdx.x / kSlices);
+  sc.c0 = static_cast<int>(blockIdx.x % kSlices) * kScanCols;
   const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
-  if (rank >= p.N || p.chunk_off[p.N + 1]) return;
+  if (rank >= p.N || p.chunk_off[p.N + 1]) return false;
   const int n = p.chunk_off[p.N + 2 + rank];
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), p.plan);
-  if (sp.np < 3) return;
-  const int ci0 = p.chunk_off[n];
-  if (tid < 32) {
-    const bool w = warm_path(p, ci0, hv, sp, tid);
-    if (tid == 0) s_warm = w;
+  if (sp.np < 3) return false;
+  if (threadIdx.x < 32) {
+    const bool w = warm_path(p, p.chunk_off[n], sc.hv, sp, threadIdx.x);
+    if (threadIdx.x == 0) *s_warm = w;
   }
   __syncthreads();
-  if (s_warm) return;
-  const int map0 = p.pieces[rank] - rank;
-  const int c0 = cs * kScanCols;
-  auto map_of = [&](int j) { return map_at(p, map0 + j, hv); };  // [R_j | M_j], rows of kMapCols
+  if (*s_warm) return false;
+  sc.np = sp.np;
+  sc.map0 = p.pieces[rank] - rank;
+  return true;
+}
+
+// One step of the scan after M_j's part is in this thread's registers (m: rows r0 + 32 i over
+// indices e0 ..): the products with S_j (sS, read as broadcasts) into sPart; after the barrier,
+// row fd, columns fc .. fc + 3 of S_{j+1} = the parts' sums in order + R_j (r) into sS and dst.
+// The caller's barrier must follow before sS or sPart is used again.
+__device__ __forceinline__ void scan_step(const float (&m)[kScanRows][kScanSpan], float (*sS)[kScanCols],
+                                          float (*sPart)[kDK][kScanCols], int r0, int part, int fd, int fc,
+                                          const float4& r, float4* dst) {
+  const int e0 = part * kScanSpan;
+  float4 acc[kScanRows][2];
+  CUTE_UNROLL
+  for (int i = 0; i < kScanRows; ++i) acc[i][0] = acc[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  CUTE_UNROLL
+  for (int e = 0; e < kScanSpan; ++e) {
+    const float4 s_lo = reinterpret_cast<const float4*>(sS[e0 + e])[0];  // broadcasts
+    const float4 s_hi = reinterpret_cast<const float4*>(sS[e0 + e])[1];
+    CUTE_UNROLL
+    for (int i = 0; i < kScanRows; ++i) {
+      const float me = m[i][e];
+      acc[i][0].x = fmaf(me, s_lo.x, acc[i][0].x), acc[i][0].y = fmaf(me, s_lo.y, acc[i][0].y);
+      acc[i][0].z = fmaf(me, s_lo.z, acc[i][0].z), acc[i][0].w = fmaf(me, s_lo.w, acc[i][0].w);
+      acc[i][1].x = fmaf(me, s_hi.x, acc[i][1].x), acc[i][1].y = fmaf(me, s_hi.y, acc[i][1].y);
+      acc[i][1].z = fmaf(me, s_hi.z, acc[i][1].z), acc[i][1].w = fmaf(me, s_hi.w, acc[i][1].w);
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < kScanRows; ++i) {
+    float4* pd = reinterpret_cast<float4*>(sPart[part][r0 + 32 * i]);
+    pd[0] = acc[i][0], pd[1] = acc[i][1];
+  }
+  __syncthreads();  // every part's sums are in sPart; every read of sS for this step is done
+  float4 sn = reinterpret_cast<const float4*>(&sPart[0][fd][fc])[0];
+  CUTE_UNROLL
+  for (int q = 1; q < kScanParts; ++q) {
+    const float4 v = reinterpret_cast<const float4*>(&sPart[q][fd][fc])[0];
+    sn.x += v.x, sn.y += v.y, sn.z += v.z, sn.w += v.w;
+  }
+  sn.x += r.x, sn.y += r.y, sn.z += r.z, sn.w += r.w;
+  reinterpret_cast<float4*>(&sS[fd][fc])[0] = sn;
+  *dst = sn;
+}
+
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
+  __shared__ __align__(16) float sS[kDK][kScanCols];                // the state entering piece j (this CTA's columns)
+  __shared__ __align__(16) float sPart[kScanParts][kDK][kScanCols];  // each part's sums
+  __shared__ int s_warm;
+  ScanCta sc;
+  if (!scan_cta(p, &s_warm, sc)) return;
+  const int tid = threadIdx.x;
+  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
   // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
   const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
   float m[kScanRows][kScanSpan], mn[kScanRows][kScanSpan];
@@ -208,47 +261,17 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   };
   // The final sums: row fd, columns fc .. fc + 3 of this CTA's slice (R_j's part of them in r).
   const int fd = tid / 2, fc = 4 * (tid & 1);
-  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + c0 + fc); };
+  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
   reinterpret_cast<float4*>(&sS[fd][fc])[0] = *r_of(0);  // S_1 = R_0
   float4 r = *r_of(1), rn = r;
   load_m(1, m);
   __syncthreads();
-  for (int j = 1; j + 1 < sp.np; ++j) {
-    if (j + 2 < sp.np) {  // the next step's operands, off the chain
+  for (int j = 1; j + 1 < sc.np; ++j) {
+    if (j + 2 < sc.np) {  // the next step's operands, off the chain
       load_m(j + 1, mn);
       rn = *r_of(j + 1);
     }
-    float4 acc[kScanRows][2];
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i) acc[i][0] = acc[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    CUTE_UNROLL
-    for (int e = 0; e < kScanSpan; ++e) {
-      const float4 s_lo = reinterpret_cast<const float4*>(sS[e0 + e])[0];  // broadcasts
-      const float4 s_hi = reinterpret_cast<const float4*>(sS[e0 + e])[1];
-      CUTE_UNROLL
-      for (int i = 0; i < kScanRows; ++i) {
-        const float me = m[i][e];
-        acc[i][0].x = fmaf(me, s_lo.x, acc[i][0].x), acc[i][0].y = fmaf(me, s_lo.y, acc[i][0].y);
-        acc[i][0].z = fmaf(me, s_lo.z, acc[i][0].z), acc[i][0].w = fmaf(me, s_lo.w, acc[i][0].w);
-        acc[i][1].x = fmaf(me, s_hi.x, acc[i][1].x), acc[i][1].y = fmaf(me, s_hi.y, acc[i][1].y);
-        acc[i][1].z = fmaf(me, s_hi.z, acc[i][1].z), acc[i][1].w = fmaf(me, s_hi.w, acc[i][1].w);
-      }
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i) {
-      float4* dst = reinterpret_cast<float4*>(sPart[part][r0 + 32 * i]);
-      dst[0] = acc[i][0], dst[1] = acc[i][1];
-    }
-    __syncthreads();  // every part's sums are in sPart; every read of sS for this step is done
-    float4 sn = reinterpret_cast<const float4*>(&sPart[0][fd][fc])[0];
-    CUTE_UNROLL
-    for (int q = 1; q < kScanParts; ++q) {
-      const float4 v = reinterpret_cast<const float4*>(&sPart[q][fd][fc])[0];
-      sn.x += v.x, sn.y += v.y, sn.z += v.z, sn.w += v.w;
-    }
-    sn.x += r.x, sn.y += r.y, sn.z += r.z, sn.w += r.w;
-    reinterpret_cast<float4*>(&sS[fd][fc])[0] = sn;
-    *r_of(j) = sn;  // S_{j+1} in place of R_j
+    scan_step(m, sS, sPart, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
     r = rn;
     CUTE_UNROLL
     for (int i = 0; i < kScanRows; ++i)
@@ -257,6 +280,76 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
     __syncthreads();  // S_{j+1} is in sS; sPart may be written again
   }
 }
+
+#ifdef QLA_SM90_TEST_HOOKS
+// Test builds, to be measured against gdn_fwd_scan (docs/design.md, split-6): M_j staged in
+// shared memory by bulk copies a step ahead. gdn_fwd_scan's M loads (32 rows per warp
+// instruction) go through the LSU that the S broadcasts use, and the step waits for them
+// (3.6 us); bulk copies run on the TMA engine, and the staged rows, padded to kScanMPitch
+// floats, give each thread its 4 rows by conflict-free 16-byte reads.
+constexpr int kScanMPitch = kDK + 4;
+struct ScanStagedSmem {
+  float m[2][kDK][kScanMPitch];            // M_j, M_{j+1}: buffer (j - 1) & 1
+  float part[kScanParts][kDK][kScanCols];  // each part's sums
+  float s[kDK][kScanCols];                 // the state entering piece j (this CTA's columns)
+  uint64_t full[2];                        // a buffer's bulk copies have landed
+  int warm;
+};
+constexpr size_t kScanStagedSmem = sizeof(ScanStagedSmem);
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_staged(const __grid_constant__ RecParams p) {
+  extern __shared__ __align__(16) uint8_t scan_smem[];
+  ScanStagedSmem& sm = *reinterpret_cast<ScanStagedSmem*>(scan_smem);
+  ScanCta sc;
+  if (!scan_cta(p, &sm.warm, sc)) return;
+  const int tid = threadIdx.x;
+  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };
+  if (tid == 0) {
+    mbar_init(&sm.full[0], 1);
+    mbar_init(&sm.full[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Warp 0 copies M_j's 128 rows (512 bytes each) into buffer (j - 1) & 1.
+  auto stage_m = [&](int j) {
+    if (tid >= 32) return;
+    uint64_t* bar = &sm.full[(j - 1) & 1];
+    if (tid == 0) mbar_expect_tx(bar, kDK * kDK * 4);
+    __syncwarp();
+    const float* mj = map_of(j) + kDV;
+    CUTE_UNROLL
+    for (int i = 0; i < kDK / 32; ++i) {
+      const int row = tid + 32 * i;
+      bulk_g2s(&sm.m[(j - 1) & 1][row][0], mj + row * kMapCols, kDK * 4, bar);
+    }
+  };
+  stage_m(1);
+  if (sc.np > 3) stage_m(2);
+  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
+  const int fd = tid / 2, fc = 4 * (tid & 1);
+  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
+  reinterpret_cast<float4*>(&sm.s[fd][fc])[0] = *r_of(0);  // S_1 = R_0
+  float4 r = *r_of(1), rn = r;
+  __syncthreads();
+  for (int j = 1; j + 1 < sc.np; ++j) {
+    if (j + 2 < sc.np) rn = *r_of(j + 1);  // off the chain
+    const int buf = (j - 1) & 1;
+    mbar_wait(&sm.full[buf], ((j - 1) >> 1) & 1);
+    float m[kScanRows][kScanSpan];
+    CUTE_UNROLL
+    for (int i = 0; i < kScanRows; ++i)
+      CUTE_UNROLL
+      for (int q = 0; q < kScanSpan / 4; ++q) {
+        const float4 v = reinterpret_cast<const float4*>(&sm.m[buf][r0 + 32 * i][e0])[q];
+        m[i][4 * q] = v.x, m[i][4 * q + 1] = v.y, m[i][4 * q + 2] = v.z, m[i][4 * q + 3] = v.w;
+      }
+    scan_step(m, sm.s, sm.part, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
+    // scan_step's barrier: every thread has read buffer buf, which now takes M_{j+2}.
+    if (j + 3 < sc.np) stage_m(j + 2);
+    r = rn;
+    __syncthreads();  // S_{j+1} is in sS; the parts may be written again
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace sm90

@@ -38,6 +38,7 @@ void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
+void set_test_scan_staged(int on);  // 1: the split scan with M staged by bulk copies (gdn_fwd_scan_staged)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -765,6 +766,7 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
+  if (std::getenv("QLA_TEST_SCAN_STAGED")) qla::sm90::set_test_scan_staged(1);  // its suites and bench rows with it
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
