@@ -64,6 +64,7 @@ int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
 int g_test_scan_staged = 0;  // test builds only: 1 runs gdn_fwd_scan_staged (split.cuh) instead of gdn_fwd_scan
+int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: pass 0's)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -403,11 +404,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   // pieces and the warm-up pieces; then, when split, the scan and pass 1 (split.cuh).
   // Pass 0 may follow the inverse kernel as a dependent launch (its CTAs then wait on the SMs
   // the inverse kernel leaves free); pass 1 follows the scan in stream order.
-  auto chunks = [&](int tiles) -> Status {
+  auto chunks = [&](bool v128, int tiles) -> Status {
     rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
-    if (vt128)
+    if (v128)
       QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2>, grid, dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem,
                                  stream, rp),
                    "launch gdn_fwd_chunks");
@@ -418,7 +419,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     return Status::Ok();
   };
   rp.pass = 0;
-  s = chunks(sc.max_pieces ? 2 * nr : nr);
+  s = chunks(vt128, sc.max_pieces ? 2 * nr : nr);
   if (!s.ok() || !sc.max_pieces) return s;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_scan_staged)
@@ -428,7 +429,13 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
-  return chunks(nr);
+  // The passes may differ in V tile: the maps hold true units by state column, whatever tile
+  // wrote them (test builds measure pass 1 at the other tile: it has the most CTAs).
+  bool vt128_pass1 = vt128;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_pass1_vt) vt128_pass1 = g_test_pass1_vt == 128;
+#endif
+  return chunks(vt128_pass1, vt128_pass1 ? 1 : 2);
 }
 
 // sc, wl: the split plan and workspace layout, made once per call by forward().
@@ -561,6 +568,7 @@ void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_scan_staged(int on) { g_test_scan_staged = on; }
+void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -39,6 +39,7 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_scan_staged(int on);  // 1: the split scan with M staged by bulk copies (gdn_fwd_scan_staged)
+void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -906,20 +907,25 @@ int main(int argc, char** argv) {
     { Case c; c.name = "split: strong decay varlen kVK"; c.lens = {3000, 0, 700, 64, 1300}; c.H = 1; c.HV = 2; c.gmode = 1;
       c.layout = StateLayout::kVK; sc.push_back(c); }
     { Case c; c.name = "split: g=0 T4096 no-h0"; c.B = 2; c.T = 4096; c.H = 1; c.HV = 1; c.gmode = 2; c.h0 = false; sc.push_back(c); }
-    for (int vt : {64, 128}) {
-      qla::sm90::set_test_fused(vt);
+    // V tiles of passes 0 and 1: both 64, both 128, and each mixed with the other (the maps
+    // hold true units by state column, whatever tile wrote them).
+    const int vts[][2] = {{64, 64}, {128, 128}, {64, 128}, {128, 64}};
+    for (const auto& vt : vts) {
+      qla::sm90::set_test_fused(vt[0]);
+      qla::sm90::set_test_pass1_vt(vt[1]);
       for (int chunks : {1, 3, 8}) {
         g_split = qla::SplitMode::kOn;
         g_split_chunks = chunks;
-        std::printf("--- split into pieces of <= %d chunks, V tile %d\n", chunks, vt);
+        std::printf("--- split into pieces of <= %d chunks, V tiles %d / %d\n", chunks, vt[0], vt[1]);
         g_max_o = g_max_h = 0;
         for (size_t i = 0; i < sc.size(); ++i) ok = run_case(sc[i], 3579 + i, stream, i == 1 || i == 4) && ok;
-        std::printf("split %d, V tile %d: max o %.2e  max state %.2e\n", chunks, vt, g_max_o, g_max_h);
+        std::printf("split %d, V tiles %d / %d: max o %.2e  max state %.2e\n", chunks, vt[0], vt[1], g_max_o, g_max_h);
       }
     }
     g_split = qla::SplitMode::kAuto;
     g_split_chunks = 0;
     qla::sm90::set_test_fused(0);
+    qla::sm90::set_test_pass1_vt(0);
     if (do_bench) {
       // Few-pair rows: the two-pass forward, the fused one unsplit, split automatically, and
       // split into pieces of 4 to 128 chunks (the cost model's calibration, also below 128
@@ -963,6 +969,26 @@ int main(int argc, char** argv) {
         g_split_chunks = 0;
         std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces%s ms\n", c.name.c_str(), t2 * 1e3,
                     toff * 1e3, tauto * 1e3, forced.c_str());
+        // The same pieces with pass 1 at V tile 128 (half its CTAs, a longer step), and with
+        // both passes there: the V tile is not yet in the model.
+        for (int both : {0, 1}) {
+          std::string alt;
+          qla::sm90::set_test_fused(both ? 128 : 64);
+          qla::sm90::set_test_pass1_vt(128);
+          g_split = qla::SplitMode::kOn;
+          for (int len : lens) {
+            g_split_chunks = len;
+            char buf[32];
+            std::snprintf(buf, sizeof buf, " %d: %.3f", len, bench(c, stream) * 1e3);
+            alt += buf;
+          }
+          g_split = qla::SplitMode::kAuto;
+          g_split_chunks = 0;
+          qla::sm90::set_test_fused(64);
+          qla::sm90::set_test_pass1_vt(0);
+          std::printf("bench-split-vt %-21s V tiles %s / 128 | pieces%s ms\n", c.name.c_str(), both ? "128" : " 64",
+                      alt.c_str());
+        }
       }
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
