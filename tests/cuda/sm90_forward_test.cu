@@ -956,34 +956,29 @@ int main(int argc, char** argv) {
         const double toff = bench(c, stream);
         g_split = qla::SplitMode::kAuto;
         const double tauto = bench(c, stream);
-        const int lens[] = {4, 8, 16, 32, 64, 128};
-        std::string forced;
-        g_split = qla::SplitMode::kOn;
-        for (int len : lens) {
-          g_split_chunks = len;
-          char buf[32];
-          std::snprintf(buf, sizeof buf, " %d: %.3f", len, bench(c, stream) * 1e3);
-          forced += buf;
-        }
-        g_split = qla::SplitMode::kAuto;
-        g_split_chunks = 0;
+        // Times with pieces of at most 4 .. 128 chunks (split forced on), as " len: ms" pairs.
+        auto forced_pieces = [&]() {
+          std::string out;
+          g_split = qla::SplitMode::kOn;
+          for (int len : {4, 8, 16, 32, 64, 128}) {
+            g_split_chunks = len;
+            char buf[32];
+            std::snprintf(buf, sizeof buf, " %d: %.3f", len, bench(c, stream) * 1e3);
+            out += buf;
+          }
+          g_split = qla::SplitMode::kAuto;
+          g_split_chunks = 0;
+          return out;
+        };
+        const std::string forced = forced_pieces();
         std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces%s ms\n", c.name.c_str(), t2 * 1e3,
                     toff * 1e3, tauto * 1e3, forced.c_str());
         // The same pieces with pass 1 at V tile 128 (half its CTAs, a longer step), and with
         // both passes there: the V tile is not yet in the model.
         for (int both : {0, 1}) {
-          std::string alt;
           qla::sm90::set_test_fused(both ? 128 : 64);
           qla::sm90::set_test_pass1_vt(128);
-          g_split = qla::SplitMode::kOn;
-          for (int len : lens) {
-            g_split_chunks = len;
-            char buf[32];
-            std::snprintf(buf, sizeof buf, " %d: %.3f", len, bench(c, stream) * 1e3);
-            alt += buf;
-          }
-          g_split = qla::SplitMode::kAuto;
-          g_split_chunks = 0;
+          const std::string alt = forced_pieces();
           qla::sm90::set_test_fused(64);
           qla::sm90::set_test_pass1_vt(0);
           std::printf("bench-split-vt %-21s V tiles %s / 128 | pieces%s ms\n", c.name.c_str(), both ? "128" : " 64",
