@@ -421,6 +421,35 @@ __host__ __device__ inline PieceBounds piece_bounds(int64_t N, int64_t tokens, i
 // ([max_pieces) entries; max_pieces >= the actual total, from shapes).
 __host__ __device__ constexpr int64_t piece_table_ints(int64_t N, int64_t max_pieces) { return N + 1 + max_pieces; }
 
+// The i-th chunk (global index) of a call in level order: chunk c of every sequence (in index
+// order, among those longer than c) before chunk c + 1 of any. off: the chunk table's N + 1
+// offsets. The overlapped two-pass forward's prep walks its regions so (gdn_prep): in the
+// global chunk order a second sequence's first chunks came after all of the first one's, and
+// its recurrence waited for them. O(N log(longest)) per call, for the few sequences of that
+// mode (at most kLevelOrderMaxSeqs).
+constexpr int kLevelOrderMaxSeqs = 32;
+__host__ __device__ inline int level_order_chunk(const int* off, int N, int i) {
+  auto chunks_below = [&](int c) {  // the chunks of levels 0 .. c - 1
+    int s = 0;
+    for (int n = 0; n < N; ++n) {
+      const int cnt = off[n + 1] - off[n];
+      s += cnt < c ? cnt : c;
+    }
+    return s;
+  };
+  int lo = 0, hi = 0;  // the level of chunk i: the last c with chunks_below(c) <= i, in [lo, hi)
+  for (int n = 0; n < N; ++n) hi = off[n + 1] - off[n] > hi ? off[n + 1] - off[n] : hi;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (chunks_below(mid) <= i) lo = mid;
+    else hi = mid;
+  }
+  int k = i - chunks_below(lo);  // its place among the sequences longer than lo
+  for (int n = 0; n < N; ++n)
+    if (off[n + 1] - off[n] > lo && k-- == 0) return off[n] + lo;
+  return i;  // not reached for 0 <= i < off[N]
+}
+
 // Sort key of the longest-first order (gdn_chunk_table): the chunk count at quarter-octave
 // resolution (bucket 1 + 4 e + m for cnt = 2^e * 1.m..., 0 for an empty sequence). Counts 1.25x
 // apart always differ, which is all the launch order needs, and 128 buckets let a counting sort

@@ -626,7 +626,9 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
 
 // Persistent: each CTA runs two independent warpgroups (own shared-memory slice, named barrier
 // and TMA mbarrier), and each warpgroup walks the regions chunk-major (all heads of chunk 0
-// first), so an overlapped recurrence finds its early chunks ready first.
+// first), so an overlapped recurrence finds its early chunks ready first; with several
+// sequences then in level order (level_order_chunk: chunk c of every sequence before chunk
+// c + 1 of any), so that no sequence's recurrence waits for another's chunks.
 template <class T>
 __global__ void __launch_bounds__(256, 1) gdn_prep(const __grid_constant__ PrepParams p) {
   // Let a programmatically dependent recurrence launch now (overlapped mode; see launch()).
@@ -644,8 +646,11 @@ __global__ void __launch_bounds__(256, 1) gdn_prep(const __grid_constant__ PrepP
   wg_bar(1 + wg);
   const int nreg = p.chunk_off[p.N] * p.HV;
   uint32_t phase = 0;
-  for (int r = blockIdx.x * 2 + wg; r < nreg; r += gridDim.x * 2, phase ^= 1)
-    prep_region<T>(p, sm, tid, 1 + wg, bar, phase, r / p.HV, r % p.HV);
+  const bool levels = p.ready && p.N > 1 && p.N <= kLevelOrderMaxSeqs;
+  for (int r = blockIdx.x * 2 + wg; r < nreg; r += gridDim.x * 2, phase ^= 1) {
+    const int i = r / p.HV;
+    prep_region<T>(p, sm, tid, 1 + wg, bar, phase, levels ? level_order_chunk(p.chunk_off, p.N, i) : i, r % p.HV);
+  }
 }
 
 

@@ -4,7 +4,8 @@
 // ::TokV_K) is byte-identical to that operand (RecLay<T, 32>::VD_MN, ::VTok_MN), and the
 // gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
 // of the sequential passes' longest-first launch order (order_bucket), and the split forward's
-// pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds).
+// pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds), and the
+// overlapped prep's level order of chunks (level_order_chunk).
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -100,6 +101,35 @@ int piece_violations() {
   }
   return bad;
 }
+// level_order_chunk: over i in [0, off[N]) a permutation of the chunks, in levels (a chunk's
+// place in its sequence never decreases with i), each sequence's chunks in order; for random
+// ragged calls with empty sequences. A chunk left out would leave an overlapped recurrence
+// waiting on its region's flag for ever.
+int level_order_violations() {
+  int bad = 0;
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int N = 1 + static_cast<int>(rng() % kLevelOrderMaxSeqs);
+    std::vector<int> off(N + 1, 0), seq_of;
+    for (int n = 0; n < N; ++n) {
+      const int kind = static_cast<int>(rng() % 4);
+      const int cnt = kind == 0 ? 0 : kind == 1 ? 1 + static_cast<int>(rng() % 3) : static_cast<int>(rng() % 600);
+      off[n + 1] = off[n] + cnt;
+      for (int c = 0; c < cnt; ++c) seq_of.push_back(n);
+    }
+    std::vector<int> seen(off[N], 0), next(N, 0);
+    int level = 0;
+    for (int i = 0; i < off[N]; ++i) {
+      const int ci = level_order_chunk(off.data(), N, i);
+      if (ci < 0 || ci >= off[N] || seen[ci]++) { ++bad; continue; }
+      const int n = seq_of[ci], c = ci - off[n];
+      if (c < level || c != next[n]) ++bad;
+      level = c;
+      next[n] = c + 1;
+    }
+  }
+  return bad;
+}
 }  // namespace
 
 int main() {
@@ -110,7 +140,8 @@ int main() {
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();
-  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d\n",
-              bf, fp, key, pcs);
-  return bf == 0 && fp == 0 && key == 0 && pcs == 0 ? 0 : 1;
+  const int lvl = level_order_violations();
+  std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d; "
+              "level order violations %d\n", bf, fp, key, pcs, lvl);
+  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && lvl == 0 ? 0 : 1;
 }
