@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait]
+#                                [warm-peers] [warm-wait] [split-ab]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -221,6 +221,39 @@ if want ab; then
   # development machine from two commits (.ab/fwd_old, .ab/fwd_new; carry .ab): the same bench
   # rows, their V tile 32/64 and overlap variants, alternating on one GPU.
   for b in old new old new; do echo "== ab $b"; timeout 120 .ab/fwd_$b --bench 2>&1 | grep "^bench"; done | tee "$LOGS/ab.log"
+fi
+snap
+
+if want split-ab; then
+  # The split forward's variants built in the seventeenth session (docs/design.md split-6, split-7,
+  # sm90-8), in one call: .ab/fwd_new (the tree with -DQLA_SM90_TEST_HOOKS) and .ab/fwd_old (a
+  # commit before them), both built on the development machine (carry .ab). Suites (the staged
+  # scan's too; --split covers the mixed V tiles), then the benches alternating, then ncu of
+  # the split passes of 2/8 1x32768 (bench row 2) with each scan.
+  b=.ab/fwd_new
+  {
+    for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
+    echo "== suite --split, staged scan"
+    QLA_TEST_SCAN_STAGED=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
+    for r in 1 2; do for v in old new; do
+      echo "== short-bench $v round $r"; timeout 90 .ab/fwd_$v --short-bench 2>&1 | grep "^bench-short"
+    done; done
+    for r in 1 2; do for staged in 0 1; do
+      echo "== split-bench staged scan $staged round $r"
+      if [[ $staged == 1 ]]; then export QLA_TEST_SCAN_STAGED=1; else unset QLA_TEST_SCAN_STAGED; fi
+      timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
+    done; done
+    unset QLA_TEST_SCAN_STAGED
+    for staged in 0 1; do for c in auto 32 16; do
+      envs=()
+      [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
+      [[ $staged == 1 ]] && envs+=("QLA_TEST_SCAN_STAGED=1")
+      echo "== ncu 2/8 1x32768, staged scan $staged, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
+      env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile 2 2>&1 \
+        | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
+      echo
+    done; done
+  } 2>&1 | tee "$LOGS/split_ab.log"
 fi
 snap
 
