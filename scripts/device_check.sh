@@ -229,7 +229,7 @@ if want split-ab; then
   # sm90-8), in one call: .ab/fwd_new (the tree with -DQLA_SM90_TEST_HOOKS) and .ab/fwd_old (a
   # commit before them), both built on the development machine (carry .ab). Suites (the staged
   # scan's too; --split covers the mixed V tiles), then the benches alternating, then ncu of
-  # the split passes of 2/8 1x32768 (bench row 2) with each scan.
+  # the split passes of 2/8 1x32768 (bench row 2) with each scan. About 500 s.
   b=.ab/fwd_new
   {
     for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
@@ -238,7 +238,7 @@ if want split-ab; then
     for r in 1 2; do for v in old new; do
       echo "== short-bench $v round $r"; timeout 90 .ab/fwd_$v --short-bench 2>&1 | grep "^bench-short"
     done; done
-    for r in 1 2; do for staged in 0 1; do
+    for r in $(seq ${SPLIT_AB_ROUNDS:-1}); do for staged in 0 1; do  # ~100 s each
       echo "== split-bench staged scan $staged round $r"
       if [[ $staged == 1 ]]; then export QLA_TEST_SCAN_STAGED=1; else unset QLA_TEST_SCAN_STAGED; fi
       timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
