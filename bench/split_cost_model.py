@@ -10,6 +10,7 @@ for the source.
 
     python3 bench/split_cost_model.py bench/results/raw/fwd_split_bench_2026-12-01.txt
     python3 bench/split_cost_model.py --fit bench/results/raw/fwd_split_bench_2026-12-01.txt
+    python3 bench/split_cost_model.py --fit-vt <--split --bench output with bench-split-vt lines>
 """
 from __future__ import annotations
 
@@ -37,22 +38,32 @@ def source_coefficients(path: str = _SRC) -> dict:
     return co
 
 
-def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS) -> float:
-    """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence."""
-    def run(ctas: float, steps: int, fractional: bool = False) -> float:
+def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS, vt: tuple = (64, 64),
+            vt128_scale: float = 1.5) -> float:
+    """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence.
+    vt: the V tiles of passes 0 and 1 (the unsplit pass: vt[0]); the kernels' plan runs 64 / 64
+    and the C++ model knows only that. At 128 a (piece, head) takes half the CTAs and each step
+    vt128_scale times as long (split-7 in docs/design.md; to be fitted with --fit-vt)."""
+    tiles = {64: 2, 128: 1}  # CTAs per 128 state columns
+    scale = {64: 1.0, 128: vt128_scale}
+
+    def run(ctas: float, steps: int, fractional: bool, v: int) -> float:
         if ctas <= 0:
             return 0.0
         waves = max(1.0, ctas / sms) if fractional else math.ceil(ctas / sms)  # unsplit: a fraction
         active = min(ctas, sms) / sms
-        return waves * (steps + co["kWaveSteps"]) * (co["kStepUs"] + co["kStepLoadedUs"] * active * active)
+        return waves * (steps + co["kWaveSteps"]) * scale[v] * (co["kStepUs"] + co["kStepLoadedUs"] * active * active)
 
+    t0, t1 = tiles[vt[0]], tiles[vt[1]]
     if np_ <= 1:
-        return run(2.0 * pairs, longest, True)
+        return run(t0 * pairs, longest, True, vt[0])
     length = math.ceil(longest / np_)
     exact = co["kExactShare"] * pairs
     warm = pairs - exact
-    return (run(exact * (2 + 4 * (np_ - 2)), length)
-            + run(exact * 2 * (np_ - 1) + warm * 2 * np_, length + int(co["kWarmChunksTypical"]))
+    # Pass 0: the exact path's piece 0 (V columns) and middle pieces (V + K columns); pass 1 its
+    # other pieces beside every piece of the warm-up path, with their warm-ups.
+    return (run(exact * (t0 + 2 * t0 * (np_ - 2)), length, False, vt[0])
+            + run(exact * t1 * (np_ - 1) + warm * t1 * np_, length + int(co["kWarmChunksTypical"]), False, vt[1])
             + (np_ - 2) * co["kScanStepUs"] + co["kPassUs"])
 
 
@@ -84,6 +95,38 @@ def parse(path: str) -> list:
         rows.append(dict(name=line.split("two-pass")[0].replace("bench-split", "").strip(), pairs=nseq * hv,
                          longest=longest, all_decay=bool(m.group(5)), times=times, auto=float(m.group(8))))
     return rows
+
+
+def parse_vt(path: str) -> list:
+    """The `bench-split-vt` lines (the forced piece lengths with pass 1 at V tile 128, pass 0 at
+    64 or 128), merged by row with its `bench-split` line (64 / 64): rows with times[(v0, v1)][P]."""
+    rows = {r["name"]: dict(r, times={(64, 64): r["times"]}) for r in parse(path)}
+    pat = re.compile(r"bench-split-vt (\d+/\d+ \d+x\d+(?: all decay)?)\s+V tiles\s+(\d+) / 128 \|"
+                     r" pieces((?: \d+: [0-9.]+)+)")
+    for line in open(path):
+        m = pat.search(line)
+        if not m or m.group(1) not in rows:
+            continue
+        r = rows[m.group(1)]
+        times = r["times"].setdefault((int(m.group(2)), 128), {})
+        for length, t in re.findall(r"(\d+): ([0-9.]+)", m.group(3)):
+            times.setdefault(pieces_of(r["longest"], int(length), 64), float(t))
+    return [r for r in rows.values() if len(r["times"]) > 1]
+
+
+def vt_regret(co: dict, rows: list, vt128_scale: float) -> float:
+    """regret over the (V tiles, piece count) choices of parse_vt's rows (the split ones: P > 1)."""
+    logs = []
+    for r in rows:
+        if r["all_decay"]:
+            continue
+        c = _row_coefficients(co, r)
+        opts = [(vt, p, t) for vt, ts in r["times"].items() for p, t in ts.items() if p > 1]
+        if not opts:
+            continue
+        pick = min(opts, key=lambda o: cost_us(c, r["pairs"], r["longest"], o[1], vt=o[0], vt128_scale=vt128_scale))
+        logs.append(math.log(pick[2] / min(o[2] for o in opts)))
+    return math.exp(sum(logs) / max(1, len(logs)))
 
 
 def _row_coefficients(co: dict, row: dict) -> dict:
@@ -140,6 +183,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="sm90_forward_test --split --bench output")
     ap.add_argument("--fit", action="store_true", help="search coefficients with the least regret")
+    ap.add_argument("--fit-vt", action="store_true",
+                    help="with bench-split-vt lines: the V tile 128 step scale with the least regret")
     args = ap.parse_args(argv)
     rows = parse(args.results)
     if not rows:
@@ -167,6 +212,15 @@ def main(argv=None) -> int:
         if best:
             print("least misfit {:.1f} us rms (regret {:.3f}) with ".format(best[0][0] * 1e3, -best[0][1])
                   + ", ".join(f"{n} {best[1][n]:g}" for n in _NAMES))
+    if args.fit_vt:
+        vrows = parse_vt(args.results)
+        if not vrows:
+            print(f"{args.results}: no bench-split-vt lines")
+            return 1
+        scales = [1.0 + 0.05 * i for i in range(21)]
+        best_scale = min(scales, key=lambda x: (vt_regret(co, vrows, x), abs(x - 1.5)))
+        print(f"V tile 128 step scale {best_scale:.2f}: regret {vt_regret(co, vrows, best_scale):.3f} over "
+              f"{len(vrows)} rows (64 / 64 alone: {regret(co, [dict(r, times=r['times'][(64, 64)]) for r in vrows]):.3f})")
     return 0
 
 

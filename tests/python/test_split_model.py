@@ -64,3 +64,35 @@ def test_few_pair_rows_split_after_the_narrow_scan():
     assert not scm.takes_fused(co, 16, 64)
     assert not scm.takes_fused(co, 8, 32)
     assert scm.takes_fused(co, 20, 8)  # the pair threshold alone
+
+
+def test_model_still_picks_after_the_warm_loads_and_blocked_scan():
+    # The seventeenth session's kept binary (split-5): the model's pick is the measured best or
+    # within 2% (2/8 at 1x32768: 8 pieces 0.347-0.349 ms, 16 pieces 0.342-0.345).
+    rows = scm.parse(os.path.join(ROOT, "bench", "results", "raw", "fwd_split_bench_2026-12-04.txt"))
+    co = scm.source_coefficients()
+    assert len(rows) == 26
+    assert scm.regret(co, rows) < 1.005
+
+
+def test_v_tile_lines_parse_and_the_pass1_prediction(tmp_path):
+    # `--split --bench` prints, since split-7, the forced piece lengths again with pass 1 at V tile
+    # 128 (pass 0 at 64 or 128). parse_vt merges them by row with the 64 / 64 line.
+    f = tmp_path / "vt.txt"
+    f.write_text(
+        "bench-split 2/8 1x32768              two-pass 0.861  fused 1.110  auto 0.349  | pieces 4: 0.641 8: 0.642"
+        " 16: 0.445 32: 0.342 64: 0.347 128: 0.575 ms\n"
+        "bench-split-vt 2/8 1x32768           V tiles  64 / 128 | pieces 4: 0.600 8: 0.600 16: 0.420 32: 0.300"
+        " 64: 0.330 128: 0.560 ms\n"
+        "bench-split-vt 2/8 1x32768           V tiles 128 / 128 | pieces 4: 0.610 8: 0.610 16: 0.430 32: 0.310"
+        " 64: 0.340 128: 0.570 ms\n")
+    rows = scm.parse_vt(str(f))
+    assert len(rows) == 1 and set(rows[0]["times"]) == {(64, 64), (64, 128), (128, 128)}
+    assert rows[0]["times"][(64, 128)][16] == 0.300  # pieces of 32 chunks: 16 pieces of 512 chunks
+    co = scm.source_coefficients()
+    # The default tiles are the C++ model's (64 / 64 everywhere).
+    assert scm.cost_us(co, 8, 512, 16) == scm.cost_us(co, 8, 512, 16, vt=(64, 64), vt128_scale=9.0)
+    # 2/8 1x32768 in 16 pieces: pass 1 at V tile 64 takes 252 CTAs (two waves), at 128 one wave;
+    # with a step 1.5x as long the model predicts the gain split-7 was built for.
+    assert scm.cost_us(co, 8, 512, 16, vt=(64, 128)) < 0.9 * scm.cost_us(co, 8, 512, 16)
+    assert scm.vt_regret(co, rows, 1.5) >= 1.0
