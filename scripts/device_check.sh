@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-ab]
+#                                [warm-peers] [warm-wait] [split-ab] [split-lean]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -254,6 +254,21 @@ if want split-ab; then
       echo
     done; done
   } 2>&1 | tee "$LOGS/split_ab.log"
+fi
+snap
+if want split-lean; then
+  # split-8 (docs/design.md): pass 0 without o, its map tiles on the lean step; a binary built
+  # with -DQLA_SM90_TEST_HOOKS -DQLA_SM90_LEAN_MAPS (.ab/fwd_lean, carry .ab). About 300 s.
+  b=.ab/fwd_lean
+  {
+    echo "== suite --split, lean maps"; QLA_TEST_LEAN_MAPS=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
+    for lean in 0 1; do
+      echo "== split-bench lean maps $lean"
+      if [[ $lean == 1 ]]; then export QLA_TEST_LEAN_MAPS=1; else unset QLA_TEST_LEAN_MAPS; fi
+      timeout 200 $b --split --bench 2>&1 | grep "^bench-split "
+    done
+    unset QLA_TEST_LEAN_MAPS
+  } 2>&1 | tee "$LOGS/split_lean.log"
 fi
 snap
 

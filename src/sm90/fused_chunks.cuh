@@ -434,6 +434,23 @@ __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const u
   }
 }
 
+// X^T = U^T diag(e^(Gamma - gamma)) as the S update's fp16 operand (U^T: elements 0 .. 31 of
+// acc, their tokens from cAcc; the aux folded 2^-(2 ek + et) into the factors sEgk), and S^T
+// times the chunk's decay e^Gamma and its change of units f.
+template <class Acc, class CAcc, class X16, class AccS>
+__device__ __forceinline__ void x_and_decay(const Acc& acc, const CAcc& cAcc, const float* sEgk, X16& rX16, AccS& accS,
+                                            const float (&f)[2], float eG) {
+  using H = cutlass::half_t;
+  CUTE_UNROLL
+  for (int i = 0; i < 32; i += 2) {
+    const float2 ek = *reinterpret_cast<const float2*>(sEgk + get<1>(cAcc(i)));
+    rX16(i) = H(acc(i) * ek.x);
+    rX16(i + 1) = H(acc(i + 1) * ek.y);
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
+}
+
 // The piece's path (split.cuh), from the gates of the chunks before its boundaries, by warp 1
 // into sflags: [0] the warm-up path, [1] its warm-up chunks.
 __device__ __forceinline__ void piece_path_flags(const RecParams& p, const PieceCta& tile, int* sflags, int tid) {
@@ -545,6 +562,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   // Chunks c = 0 .. nch - 1 of the loops are chunks c0 + c of the sequence; the first nwarm of
   // them (a warm-up) leave no output.
   const int nch = role.nch, c0 = role.c0, nwarm = role.nwarm;
+#ifdef QLA_SM90_LEAN_MAPS
+  // Test builds (split-8): a CTA that writes no o runs the lean step, [Y] and [U] at N = 64 (no
+  // P, no W, no O staging), and its store warps and the aux's scores stay idle.
+  const bool lean = p.lean_maps && !role.out;
+#endif
   auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
   auto parity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
 
@@ -556,6 +578,9 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
     if (wt >= 32) {
       // ---------------- output store (warps 1-3) ----------------
+#ifdef QLA_SM90_LEAN_MAPS
+      if (lean) return;
+#endif
       const int st_t = wt - 32;
       T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + vt * VT;
       // 16-byte stores when every row start is 16-byte aligned, else 4-byte ones.
@@ -595,6 +620,12 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       aux_convert_qk<T, Cfg>(p, stb, wt QLA_PHASE_PASS);
+#ifdef QLA_SM90_LEAN_MAPS
+      if (lean) {  // [U] = Z Tu^T alone needs no scores
+        mbar_arrive(&aready[c % kStages]);
+        continue;
+      }
+#endif
       QLA_PHASE(3);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
       aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
@@ -664,6 +695,47 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     float f[2], sc[2];  // this chunk's change of units, and its units
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
+#ifdef QLA_SM90_LEAN_MAPS
+    if (lean) {
+      // Y^T = S^T K^T, Z^T = V^T - Y^T diag(e^gamma), U^T = Z^T Tu^T (N = 64 each: K's and Tu's
+      // rows of the stacked operands), X^T = U^T diag(e^(Gamma - gamma)), S^T = e^Gamma S^T + X^T K.
+      auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});
+      auto thrL = mmaL.get_thread_slice(wt);
+      Tensor accL = partition_fragment_C(mmaL, Shape<_64, _64>{});
+      Tensor cL = thrL.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+      // One product as its own wgmma batch, waited for.
+      auto product = [&](auto& mma, auto& rA, const auto& rB, auto& acc, GMMA::ScaleOut first) {
+        warpgroup_fence_operand(rA);
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        gemm_k(mma, rA, rB, acc, first);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+      };
+      Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
+      product(mmaL, rS16, thrL.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0))), accL,
+              GMMA::ScaleOut::Zero);
+      CUTE_UNROLL
+      for (int k = 0; k < 16; ++k) {
+        const int i = 2 * k;
+        const float2 vv = unpack2<T>(vp[k]);
+        const float2 eg = *reinterpret_cast<const float2*>(sEgZ + get<1>(cL(i)));
+        const float s_ = sc[acc_half(i)];
+        rZ16(i) = H(vv.x * s_ - eg.x * accL(i));
+        rZ16(i + 1) = H(vv.y * s_ - eg.y * accL(i + 1));
+      }
+      Tensor tTW = make_tensor(make_smem_ptr(sTW), TW_K{});
+      product(mmaL, rZ16, thrL.partition_fragment_B(local_tile(tTW, Shape<_64, _64>{}, make_coord(0, 0))), accL,
+              GMMA::ScaleOut::Zero);
+      x_and_decay(accL, cL, sEgk, rX16, accS, f, eG);
+      Tensor tK = make_tensor(make_smem_ptr(sQK), QK_MN{});
+      product(mmaS, rX16, thrS.partition_fragment_B(local_tile(tK, Shape<_128, _64>{}, make_coord(0, 0))), accS,
+              GMMA::ScaleOut::One);
+      mbar_arrive(&empty[st]);  // every read of the stage is done
+      continue;
+    }
+#endif
 
     // [Y^T | P^T] = S^T [K; Q]^T.
     Tensor rKQ = thrN.partition_fragment_B(make_tensor(make_smem_ptr(sQK), QK_K{}));
@@ -711,14 +783,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
 
     // X^T = U^T diag(e^(Gamma - gamma)); S^T = e^Gamma S^T + X^T K in the new units (the aux
     // folded 2^-(2 ek + et) into e^(Gamma - gamma): X'^T K' is then S's update in units 2^esc).
-    CUTE_UNROLL
-    for (int i = 0; i < kHalf; i += 2) {
-      const float2 ek = *reinterpret_cast<const float2*>(sEgk + get<1>(cT(i)));
-      rX16(i) = H(accT(i) * ek.x);
-      rX16(i + 1) = H(accT(i + 1) * ek.y);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
+    x_and_decay(accT, cT, sEgk, rX16, accS, f, eG);
     QLA_PHASE(5);
     Tensor rKs = thrS.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_MN{}), Shape<_128, _64>{}, make_coord(0, 0)));
     warpgroup_fence_operand(rX16);

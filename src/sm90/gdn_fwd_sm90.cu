@@ -65,6 +65,7 @@ int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused re
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
 int g_test_scan_staged = 0;  // test builds only: 1 runs gdn_fwd_scan_staged (split.cuh) instead of gdn_fwd_scan
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: pass 0's)
+int g_test_lean_maps = 0;  // test builds only: 1 sets RecParams::lean_maps (split-8)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -385,6 +386,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   rp.skip = g_test_fused_skip;
   rp.ready = ready;
+  rp.lean_maps = g_test_lean_maps;
 #endif
   rp.scale = static_cast<float>(p.scale);
   bool vt128 = fused_v_tile_128(p, N, HV, sms);
@@ -569,6 +571,7 @@ void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_scan_staged(int on) { g_test_scan_staged = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
+void set_test_lean_maps(int on) { g_test_lean_maps = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

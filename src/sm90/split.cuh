@@ -130,6 +130,9 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
     if (warm || last || (!rt && c.j == 0)) { r.run = false; return r; }
     r.init = rt ? (c.j == 0 ? kInitH0 : kInitZero) : kInitIdentity;
     r.out = rt && c.j == 0;  // the transfer map's columns (v = 0: their tiles lie past v) write none
+#ifdef QLA_SM90_LEAN_MAPS
+    if (p.lean_maps) r.out = false;  // piece 0's o comes from pass 1
+#endif
     r.end = kEndMaps;
     return r;
   }
@@ -146,6 +149,12 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
   }
   r.run = rt && c.j > 0;
   r.init = kInitMaps;
+#ifdef QLA_SM90_LEAN_MAPS
+  if (p.lean_maps && c.j == 0) {  // piece 0 again from h0, now with o
+    r.run = rt;
+    r.init = kInitH0;
+  }
+#endif
   return r;
 }
 

@@ -40,6 +40,7 @@ void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_scan_staged(int on);  // 1: the split scan with M staged by bulk copies (gdn_fwd_scan_staged)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
+void set_test_lean_maps(int on);  // 1: pass 0 writes no o and runs the lean step (split-8)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -768,6 +769,9 @@ int main(int argc, char** argv) {
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
   if (std::getenv("QLA_TEST_SCAN_STAGED")) qla::sm90::set_test_scan_staged(1);  // its suites and bench rows with it
+#ifdef QLA_SM90_LEAN_MAPS  // (build with it too: its code costs the other paths registers)
+  if (std::getenv("QLA_TEST_LEAN_MAPS")) qla::sm90::set_test_lean_maps(1);
+#endif
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
