@@ -211,10 +211,9 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
     sc.plan.piece_chunks = static_cast<int>((longest + best - 1) / best);
     sc.plan.max_pieces = best;
   }
-  if (longest <= sc.plan.piece_chunks) {
-    SplitChoice whole;
-    whole.fused = sc.fused;
-    return whole;
+  if (longest <= sc.plan.piece_chunks) {  // every sequence whole
+    sc.plan = PiecePlan{};
+    return sc;
   }
   // The maps then take at most 1/8 of v's bytes with pieces of 64 chunks (batch_invariant),
   // however many short sequences the call holds (piece_bounds, common.cuh).
@@ -393,7 +392,6 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused > 0) vt128 = g_test_fused == 128;
 #endif
-  const int nr = vt128 ? 1 : 2;  // V tiles per value head
   const int slots = static_cast<int>(sc.max_pieces ? sc.max_pieces : N);
   if (sc.max_pieces) {
     rp.pieces = pieces;
@@ -406,7 +404,10 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   // pieces and the warm-up pieces; then, when split, the scan and pass 1 (split.cuh).
   // Pass 0 may follow the inverse kernel as a dependent launch (its CTAs then wait on the SMs
   // the inverse kernel leaves free); pass 1 follows the scan in stream order.
-  auto chunks = [&](bool v128, int tiles) -> Status {
+  auto chunks = [&](bool v128) -> Status {
+    // Column tiles per value head: V's (1 at V tile 128, 2 at 64), and as many for K's columns
+    // in a split call's pass 0 (the transfer maps).
+    const int tiles = (v128 ? 1 : 2) * (rp.pass == 0 && sc.max_pieces ? 2 : 1);
     rp.tiles_log2 = tiles == 4 ? 2 : tiles == 2 ? 1 : 0;
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
@@ -421,7 +422,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     return Status::Ok();
   };
   rp.pass = 0;
-  s = chunks(vt128, sc.max_pieces ? 2 * nr : nr);
+  s = chunks(vt128);
   if (!s.ok() || !sc.max_pieces) return s;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_scan_staged)
@@ -437,7 +438,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_pass1_vt) vt128_pass1 = g_test_pass1_vt == 128;
 #endif
-  return chunks(vt128_pass1, vt128_pass1 ? 1 : 2);
+  return chunks(vt128_pass1);
 }
 
 // sc, wl: the split plan and workspace layout, made once per call by forward().

@@ -164,9 +164,9 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
 // The chain is the np - 2 dependent steps, so a step must be short:
 //   - M_j does not depend on the chain: each thread loads its part of M_{j+1} (and R_{j+1}) into
 //     registers while it computes step j;
-//   - only S crosses the threads, through shared memory, read as broadcasts. Those reads bound
-//     the step (one 16-byte broadcast per 4 FMAs took 3.8 us a step), so a thread computes a
-//     block of kScanRows rows: each S load feeds kScanRows x 4 FMAs.
+//   - only S crosses the threads, through shared memory, read as broadcasts; a thread computes
+//     a block of kScanRows rows, so each S load feeds kScanRows x 4 FMAs (3.9 -> 3.6 us a step:
+//     the broadcasts were not what bounds it; gdn_fwd_scan_staged below tests the M loads).
 // Thread t holds rows t % 32 + 32 i (i < kScanRows) of M over the reduction part t / 32 (16
 // indices); the 8 parts' sums meet in shared memory, where thread t adds them in order for row
 // t / 2, columns 4 (t & 1) .. + 3, then R. 16 CTAs per (sequence, value head).
