@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-ab] [split-lean]
+#                                [warm-peers] [warm-wait] [split-check]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -123,20 +123,22 @@ snap
 build_stages=" tests bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par ab "
 need_build=0
 for st in $stages; do [[ $build_stages == *" $st "* ]] && need_build=1; done
-[[ $need_build -eq 1 ]] || exit $status
+# Stages that run binaries built on the development machine (split-check) need no build.
+if [[ $need_build -eq 1 ]]; then
 
-cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
-echo "== build" | tee "$LOGS/build.log"
-start=$(date +%s)
-if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -q -e . \
-    -Cbuild-dir=build/device -Ccmake.define.QLA_BUILD_TESTS=ON -Ccmake.define.QLA_CUTLASS_INCLUDE_DIR="$cutlass_inc" \
-    >>"$LOGS/build.log" 2>&1; then
-  tail -40 "$LOGS/build.log"
-  exit 1
+  cutlass_inc=$(python3 -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+  echo "== build" | tee "$LOGS/build.log"
+  start=$(date +%s)
+  if ! CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -q -e . \
+      -Cbuild-dir=build/device -Ccmake.define.QLA_BUILD_TESTS=ON -Ccmake.define.QLA_CUTLASS_INCLUDE_DIR="$cutlass_inc" \
+      >>"$LOGS/build.log" 2>&1; then
+    tail -40 "$LOGS/build.log"
+    exit 1
+  fi
+  echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOGS/build.log"
+  grep -E "registers|spill" "$LOGS/build.log" | sort | uniq -c | head -8
+  snap
 fi
-echo "build: $(( $(date +%s) - start )) s" | tee -a "$LOGS/build.log"
-grep -E "registers|spill" "$LOGS/build.log" | sort | uniq -c | head -8
-snap
 
 if want tests; then
   echo "== sm90 standalone test (C++, poisoned outputs, graph replay)"
@@ -224,51 +226,23 @@ if want ab; then
 fi
 snap
 
-if want split-ab; then
-  # The split forward's variants built in the seventeenth session (docs/design.md split-6, split-7,
-  # sm90-8), in one call: .ab/fwd_new (the tree with -DQLA_SM90_TEST_HOOKS) and .ab/fwd_old (a
-  # commit before them), both built on the development machine (carry .ab). Suites (the staged
-  # scan's too; --split covers the mixed V tiles), then the benches alternating, then ncu of
-  # the split passes of 2/8 1x32768 (bench row 2) with each scan. About 500 s.
+if want split-check; then
+  # The split forward from a harness built on the development machine (.ab/fwd_new: this tree
+  # with -DQLA_SM90_TEST_HOOKS; carry .ab): the suites, the few-pair short rows, the split bench
+  # (pieces forced, pass 1 at V tile 64 and 128: the cost model's data), and ncu of the split
+  # passes of 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4). About 250 s.
   b=.ab/fwd_new
   {
     for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
-    echo "== suite --split, staged scan"
-    QLA_TEST_SCAN_STAGED=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
-    for r in 1 2; do for v in old new; do
-      echo "== short-bench $v round $r"; timeout 90 .ab/fwd_$v --short-bench 2>&1 | grep "^bench-short"
-    done; done
-    for r in $(seq ${SPLIT_AB_ROUNDS:-1}); do for staged in 0 1; do  # ~100 s each
-      echo "== split-bench staged scan $staged round $r"
-      if [[ $staged == 1 ]]; then export QLA_TEST_SCAN_STAGED=1; else unset QLA_TEST_SCAN_STAGED; fi
-      timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
-    done; done
-    unset QLA_TEST_SCAN_STAGED
-    for staged in 0 1; do for c in auto 32 16; do
-      envs=()
-      [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
-      [[ $staged == 1 ]] && envs+=("QLA_TEST_SCAN_STAGED=1")
-      echo "== ncu 2/8 1x32768, staged scan $staged, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
-      env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile 2 2>&1 \
+    echo "== short-bench"; timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
+    echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
+    for row in 2 4; do
+      echo "== ncu --profile $row (us: K1, pass 0, scan, pass 1)"
+      ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile $row 2>&1 \
         | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
       echo
-    done; done
-  } 2>&1 | tee "$LOGS/split_ab.log"
-fi
-snap
-if want split-lean; then
-  # split-8 (docs/design.md): pass 0 without o, its map tiles on the lean step; a binary built
-  # with -DQLA_SM90_TEST_HOOKS -DQLA_SM90_LEAN_MAPS (.ab/fwd_lean, carry .ab). About 300 s.
-  b=.ab/fwd_lean
-  {
-    echo "== suite --split, lean maps"; QLA_TEST_LEAN_MAPS=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
-    for lean in 0 1; do
-      echo "== split-bench lean maps $lean"
-      if [[ $lean == 1 ]]; then export QLA_TEST_LEAN_MAPS=1; else unset QLA_TEST_LEAN_MAPS; fi
-      timeout 200 $b --split --bench 2>&1 | grep "^bench-split "
     done
-    unset QLA_TEST_LEAN_MAPS
-  } 2>&1 | tee "$LOGS/split_lean.log"
+  } 2>&1 | tee "$LOGS/split_check.log"
 fi
 snap
 
