@@ -11,6 +11,7 @@ for the source.
     python3 bench/split_cost_model.py bench/results/raw/fwd_split_bench_2026-12-01.txt
     python3 bench/split_cost_model.py --fit bench/results/raw/fwd_split_bench_2026-12-01.txt
     python3 bench/split_cost_model.py --fit-vt <--split --bench output with bench-split-vt lines>
+    python3 bench/split_cost_model.py --plan bench/results/raw/fwd_split_bench_2026-12-04b.txt
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import sys
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90", "gdn_fwd_sm90.cu")
 _NAMES = ("kStepUs", "kStepLoadedUs", "kWaveSteps", "kScanStepUs", "kPassUs", "kExactShare")
+_TERMS = ("kStep128Scale", "kLeanStepScale", "kSplitMinGain")  # since split-7 and split-8
 SMS = 132
 
 
@@ -30,7 +32,7 @@ def source_coefficients(path: str = _SRC) -> dict:
     """The model's constants as the C++ source defines them (constexpr double / int)."""
     text = open(path).read()
     co = {}
-    for name in _NAMES + ("kWarmChunksTypical", "kMaxPiecesPerSeq", "kTwoPassShare", "kFusedMinChunks", "kFusedMinPairs"):
+    for name in _NAMES + _TERMS + ("kWarmChunksTypical", "kMaxPiecesPerSeq", "kTwoPassShare", "kFusedMinChunks", "kFusedMinPairs"):
         m = re.search(r"\b" + name + r"\s*=\s*([0-9.]+)", text)
         if not m:
             raise SystemExit(f"{path}: no constant {name}")
@@ -39,20 +41,26 @@ def source_coefficients(path: str = _SRC) -> dict:
 
 
 def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS, vt: tuple = (64, 64),
-            vt128_scale: float = 1.5) -> float:
+            vt128_scale: float | None = None, lean: bool = False, lean_scale: float | None = None) -> float:
     """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence.
-    vt: the V tiles of passes 0 and 1 (the unsplit pass: vt[0]); the kernels' plan runs 64 / 64
-    and the C++ model knows only that. At 128 a (piece, head) takes half the CTAs and each step
-    vt128_scale times as long (split-7 in docs/design.md; to be fitted with --fit-vt)."""
+    vt: the V tiles of passes 0 and 1 (the unsplit pass: vt[0]). At 128 a (piece, head) takes
+    half the CTAs and each step vt128_scale times as long (split-7 in docs/design.md; default
+    the source's kStep128Scale, fitted with --fit-vt). lean: pass 0 on the lean step (split-8:
+    no o, steps lean_scale times as long, default kLeanStepScale), piece 0 run again in pass 1.
+    The kernels' plan since split-8: lean, pass 0 at 64, pass 1 at 64 or 128 (plan_cost). The
+    defaults (64 / 64, not lean) model the kernels before them, as the older results ran."""
+    vt128_scale = co["kStep128Scale"] if vt128_scale is None else vt128_scale
+    lean_scale = co["kLeanStepScale"] if lean_scale is None else lean_scale
     tiles = {64: 2, 128: 1}  # CTAs per 128 state columns
     scale = {64: 1.0, 128: vt128_scale}
 
-    def run(ctas: float, steps: int, fractional: bool, v: int) -> float:
+    def run(ctas: float, steps: int, fractional: bool, v: int, step_scale: float = 1.0) -> float:
         if ctas <= 0:
             return 0.0
         waves = max(1.0, ctas / sms) if fractional else math.ceil(ctas / sms)  # unsplit: a fraction
         active = min(ctas, sms) / sms
-        return waves * (steps + co["kWaveSteps"]) * scale[v] * (co["kStepUs"] + co["kStepLoadedUs"] * active * active)
+        return (waves * (steps + co["kWaveSteps"]) * scale[v] * step_scale
+                * (co["kStepUs"] + co["kStepLoadedUs"] * active * active))
 
     t0, t1 = tiles[vt[0]], tiles[vt[1]]
     if np_ <= 1:
@@ -61,10 +69,20 @@ def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS, vt: tu
     exact = co["kExactShare"] * pairs
     warm = pairs - exact
     # Pass 0: the exact path's piece 0 (V columns) and middle pieces (V + K columns); pass 1 its
-    # other pieces beside every piece of the warm-up path, with their warm-ups.
-    return (run(exact * (t0 + 2 * t0 * (np_ - 2)), length, False, vt[0])
-            + run(exact * t1 * (np_ - 1) + warm * t1 * np_, length + int(co["kWarmChunksTypical"]), False, vt[1])
+    # other pieces (lean: piece 0 again, now with o) beside every piece of the warm-up path,
+    # with their warm-ups.
+    return (run(exact * (t0 + 2 * t0 * (np_ - 2)), length, False, vt[0], lean_scale if lean else 1.0)
+            + run(exact * t1 * (np_ - (0 if lean else 1)) + warm * t1 * np_, length + int(co["kWarmChunksTypical"]),
+                  False, vt[1])
             + (np_ - 2) * co["kScanStepUs"] + co["kPassUs"])
+
+
+def plan_cost(co: dict, pairs: float, longest: int, np_: int, sms: int = SMS) -> tuple:
+    """forward_choice's cost of np_ pieces since split-8 and the pass-1 V tile it takes: unsplit
+    at V tile 64; split with pass 0 lean at 64 and pass 1 at 64 or 128, whichever costs less."""
+    if np_ <= 1:  # the cheaper tile (fused_v_tile_128 takes 128 once 64 needs more than a wave)
+        return min((cost_us(co, pairs, longest, 1, sms, vt=(v, v)), v) for v in (64, 128))
+    return min((cost_us(co, pairs, longest, np_, sms, vt=(64, v), lean=True), v) for v in (64, 128))
 
 
 def pieces_of(longest: int, piece_chunks: int, max_pieces: int) -> int:
@@ -129,6 +147,26 @@ def vt_regret(co: dict, rows: list, vt128_scale: float) -> float:
     return math.exp(sum(logs) / max(1, len(logs)))
 
 
+def plan_regret(co: dict, rows: list) -> float:
+    """regret of forward_choice's plan (lean pass 0, pass 1 at 64 or 128, a split only when it
+    gains kSplitMinGain) over parse_vt's rows measured since split-8: the measured time of the
+    option it prefers among the measured ones (unsplit, and every piece count at either tile)
+    over the best measured, geometric mean over the mixed-gate rows that the dispatch gives the
+    fused forward (takes_fused)."""
+    logs = []
+    for r in rows:
+        if r["all_decay"] or not takes_fused(co, r["pairs"], r["longest"]):
+            continue
+        c = _row_coefficients(co, r)
+        opts = [(vt[1], p, t) for vt, ts in r["times"].items() for p, t in ts.items() if p > 1]
+        cost = lambda o: cost_us(c, r["pairs"], r["longest"], o[1], vt=(64, o[0]), lean=True)
+        pick = min(opts, key=cost)
+        unsplit = r["times"][(64, 64)][1]
+        t = pick[2] if cost(pick) < c["kSplitMinGain"] * plan_cost(c, r["pairs"], r["longest"], 1)[0] else unsplit
+        logs.append(math.log(t / min([unsplit] + [o[2] for o in opts])))
+    return math.exp(sum(logs) / max(1, len(logs)))
+
+
 def _row_coefficients(co: dict, row: dict) -> dict:
     """The all-decay rows have no exact-path head."""
     return dict(co, kExactShare=0.0) if row["all_decay"] else co
@@ -149,9 +187,15 @@ def misfit_ms(co: dict, rows: list) -> float:
     return math.sqrt(sum(errs) / max(1, len(errs)))
 
 
-def best_pieces(co: dict, row: dict) -> int:
-    cands = range(1, int(co["kMaxPiecesPerSeq"]) + 1)
-    return min((p for p in cands if p <= row["longest"]), key=lambda p: cost_us(co, row["pairs"], row["longest"], p))
+def best_pieces(co: dict, row: dict, plan: bool = False) -> int:
+    """The model's piece count: for the kernels before split-8 (pass 0 full, both passes at V tile
+    64: what the older results ran), or with plan=True forward_choice's (plan_cost)."""
+    cands = [p for p in range(1, int(co["kMaxPiecesPerSeq"]) + 1) if p <= row["longest"]]
+    if plan:  # a split must gain kSplitMinGain
+        cost = lambda p: plan_cost(co, row["pairs"], row["longest"], p)[0]
+        best = min(cands, key=cost)
+        return best if cost(best) < co["kSplitMinGain"] * cost(1) else 1
+    return min(cands, key=lambda p: cost_us(co, row["pairs"], row["longest"], p))
 
 
 def takes_fused(co: dict, pairs: float, longest: int) -> bool:
@@ -162,8 +206,8 @@ def takes_fused(co: dict, pairs: float, longest: int) -> bool:
         return True
     if longest < co["kFusedMinChunks"]:
         return False
-    p = best_pieces(co, dict(pairs=pairs, longest=longest))
-    return p > 1 and cost_us(co, pairs, longest, p) < co["kTwoPassShare"] * cost_us(co, pairs, longest, 1)
+    p = best_pieces(co, dict(pairs=pairs, longest=longest), plan=True)
+    return p > 1 and plan_cost(co, pairs, longest, p)[0] < co["kTwoPassShare"] * plan_cost(co, pairs, longest, 1)[0]
 
 
 def regret(co: dict, rows: list) -> float:
@@ -185,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fit", action="store_true", help="search coefficients with the least regret")
     ap.add_argument("--fit-vt", action="store_true",
                     help="with bench-split-vt lines: the V tile 128 step scale with the least regret")
+    ap.add_argument("--plan", action="store_true",
+                    help="results since split-8 (lean pass 0): the plan's regret, and the scales that fit best")
     args = ap.parse_args(argv)
     rows = parse(args.results)
     if not rows:
@@ -221,6 +267,12 @@ def main(argv=None) -> int:
         best_scale = min(scales, key=lambda x: (vt_regret(co, vrows, x), abs(x - 1.5)))
         print(f"V tile 128 step scale {best_scale:.2f}: regret {vt_regret(co, vrows, best_scale):.3f} over "
               f"{len(vrows)} rows (64 / 64 alone: {regret(co, [dict(r, times=r['times'][(64, 64)]) for r in vrows]):.3f})")
+    if args.plan:
+        vrows = parse_vt(args.results)
+        grid = [(a, b) for a in (1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5) for b in (0.6, 0.7, 0.8, 0.9, 1.0)]
+        fits = sorted((plan_regret(dict(co, kStep128Scale=a, kLeanStepScale=b), vrows), a, b) for a, b in grid)
+        print(f"plan regret (lean pass 0, pass 1 at 64 or 128) over {len(vrows)} rows: {plan_regret(co, vrows):.3f}; "
+              f"least {fits[0][0]:.3f} with kStep128Scale {fits[0][1]:g}, kLeanStepScale {fits[0][2]:g}")
     return 0
 
 

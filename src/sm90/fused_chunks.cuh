@@ -514,7 +514,11 @@ __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta&
   }
 }
 
-template <class T, int kMathWGs>
+// kLean: the lean kernel of a split call's pass 0 (split.cuh), whose CTAs write no o: the chunk
+// step runs [Y] and [U] at N = 64 (no P, no W, no O staging) and the store warps and the aux's
+// scores stay idle. A template argument, not a runtime one: the lean step's code beside the full
+// one cost the full kernel registers and 1-7% of its time (split-8 in docs/design.md).
+template <class T, int kMathWGs, bool kLean>
 __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunks(const __grid_constant__ RecParams p) {
   using Cfg = FusedCfg<kMathWGs>;
   using H = cutlass::half_t;
@@ -562,11 +566,6 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   // Chunks c = 0 .. nch - 1 of the loops are chunks c0 + c of the sequence; the first nwarm of
   // them (a warm-up) leave no output.
   const int nch = role.nch, c0 = role.c0, nwarm = role.nwarm;
-#ifdef QLA_SM90_LEAN_MAPS
-  // Test builds (split-8): a CTA that writes no o runs the lean step, [Y] and [U] at N = 64 (no
-  // P, no W, no O staging), and its store warps and the aux's scores stay idle.
-  const bool lean = p.lean_maps && !role.out;
-#endif
   auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
   auto parity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
 
@@ -578,9 +577,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
     if (wt >= 32) {
       // ---------------- output store (warps 1-3) ----------------
-#ifdef QLA_SM90_LEAN_MAPS
-      if (lean) return;
-#endif
+      if constexpr (kLean) return;
       const int st_t = wt - 32;
       T* ob = static_cast<T*>(p.o) + b * p.so[0] + static_cast<int64_t>(hv) * p.so[2] + vt * VT;
       // 16-byte stores when every row start is 16-byte aligned, else 4-byte ones.
@@ -620,12 +617,10 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       aux_convert_qk<T, Cfg>(p, stb, wt QLA_PHASE_PASS);
-#ifdef QLA_SM90_LEAN_MAPS
-      if (lean) {  // [U] = Z Tu^T alone needs no scores
+      if constexpr (kLean) {  // [U] = Z Tu^T alone needs no scores
         mbar_arrive(&aready[c % kStages]);
         continue;
       }
-#endif
       QLA_PHASE(3);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
       aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
@@ -695,8 +690,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     float f[2], sc[2];  // this chunk's change of units, and its units
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
-#ifdef QLA_SM90_LEAN_MAPS
-    if (lean) {
+    if constexpr (kLean) {
       // Y^T = S^T K^T, Z^T = V^T - Y^T diag(e^gamma), U^T = Z^T Tu^T (N = 64 each: K's and Tu's
       // rows of the stacked operands), X^T = U^T diag(e^(Gamma - gamma)), S^T = e^Gamma S^T + X^T K.
       auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});
@@ -735,7 +729,6 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_arrive(&empty[st]);  // every read of the stage is done
       continue;
     }
-#endif
 
     // [Y^T | P^T] = S^T [K; Q]^T.
     Tensor rKQ = thrN.partition_fragment_B(make_tensor(make_smem_ptr(sQK), QK_K{}));

@@ -63,9 +63,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
-int g_test_scan_staged = 0;  // test builds only: 1 runs gdn_fwd_scan_staged (split.cuh) instead of gdn_fwd_scan
-int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: pass 0's)
-int g_test_lean_maps = 0;  // test builds only: 1 sets RecParams::lean_maps (split-8)
+int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -151,27 +149,44 @@ constexpr int kWarmChunksTypical = 5;
 // 1x2048 0.91, 1x4096 0.92, 1x8192 0.85; 4/16 at 1x4096 0.87; 16/16 at 1x2048 0.87): a split
 // must beat that to be taken there (4/16 at 1x4096 splits into 4 pieces at 0.91 of unsplit: not).
 constexpr double kTwoPassShare = 0.87;
-double split_cost(double pairs, int64_t longest, int np, int sms) {
+// Split calls run pass 0 on the lean kernel at V tile 64, its steps about 0.8 of the full ones
+// (split-8, fitted to the harness's --split --bench with and without it: 14 us rms over 60
+// piece counts), and pass 1 at V tile 64 or 128 (half the CTAs, steps about 1.3x as long:
+// split-7, fitted to --split --bench with pass 1 at either tile), whichever the model prefers.
+constexpr double kLeanStepScale = 0.7;
+constexpr double kStep128Scale = 1.35;
+// A split is taken when the model puts it under kSplitMinGain of the unsplit forward: the
+// gains it predicts on the calibration rows are within 0.02-0.05 of the measured ones, and
+// closer calls (two pieces of 48 or 64 long pairs, which fill the SMs unsplit) are unmeasured.
+constexpr double kSplitMinGain = 0.93;
+double split_cost(double pairs, int64_t longest, int np, int sms, bool pass1_v128 = false) {
   // A pass of equal pieces fills whole waves; the unsplit pass counts its waves as a fraction:
   // its pairs are a length-weighted count, its longest sequences' CTAs run in the first wave and
   // the shorter ones fill in. (Whole waves there split 16/64 at 28672+4096, 146 weighted CTAs
   // for 128 long ones, into 2 pieces: 1.80 ms against 1.48 unsplit; the same on the five other
   // uneven 16/64 rows and 16/48 at 16384+16384, 1.41 against 1.37, and on no other grid row.)
-  auto pass = [&](double ctas, int64_t steps, bool fractional) {
+  auto pass = [&](double ctas, int64_t steps, bool fractional, double step_scale) {
     if (ctas <= 0) return 0.0;
     const double waves = fractional ? std::max(1.0, ctas / sms) : std::ceil(ctas / sms);
     const double active = std::min<double>(ctas, sms) / sms;
-    return waves * (steps + kWaveSteps) * (kStepUs + kStepLoadedUs * active * active);
+    return waves * (steps + kWaveSteps) * step_scale * (kStepUs + kStepLoadedUs * active * active);
   };
-  if (np <= 1) return pass(2.0 * pairs, longest, true);
+  // Unsplit at the cheaper V tile (fused_v_tile_128 takes 128 once 64 needs more than a wave):
+  // against V tile 64 alone, the lean pass and pass 1 at 128 split 128 pairs of 128 chunks
+  // (16/32 at 8192x4: 0.70 ms against 0.57 unsplit, 2026-12-04).
+  if (np <= 1) return std::min(pass(2.0 * pairs, longest, true, 1.0), pass(pairs, longest, true, kStep128Scale));
   const int64_t len = (longest + np - 1) / np;
   const double exact = kExactShare * pairs, warm = pairs - exact;
-  return pass(exact * (2 + 4 * (np - 2)), len, false) +
-         pass(exact * 2 * (np - 1) + warm * 2 * np, len + kWarmChunksTypical, false) +
+  const double tiles1 = pass1_v128 ? 1 : 2;  // pass 1's CTAs per (piece, value head)
+  // Pass 0: the exact path's piece 0 (V columns) and middle pieces (V + K columns); pass 1 every
+  // piece (the exact path's piece 0 again, with o), the warm-up path's with their warm-ups.
+  return pass(exact * (2 + 4 * (np - 2)), len, false, kLeanStepScale) +
+         pass(pairs * tiles1 * np, len + kWarmChunksTypical, false, pass1_v128 ? kStep128Scale : 1.0) +
          (np - 2) * kScanStepUs + kPassUs;
 }
 struct SplitChoice {
   bool fused = false;      // the fused forward (else the two-pass one)
+  bool pass1_vt128 = false;  // a split call's pass 1 at V tile 128 (pass 0 runs lean at 64)
   PiecePlan plan;
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
@@ -199,14 +214,21 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
     // change (piece_split applies it to each sequence's own length).
     sc.plan.piece_chunks = p.split_chunks > 0 ? p.split_chunks : kInvariantPieceChunks;
     sc.plan.max_pieces = kMaxPiecesPerSeq;
+    // Pass 1's tile by the model for the longest sequence's pieces (either tile gives the same
+    // bits, so batch_invariant may take either).
+    const int np = piece_split(static_cast<int>(std::min<int64_t>(longest, INT32_MAX)), sc.plan).np;
+    sc.pass1_vt128 = np > 1 && split_cost(pairs, longest, np, sms, true) < split_cost(pairs, longest, np, sms, false);
   } else {
-    double best_cost = split_cost(pairs, longest, 1, sms);
+    const double unsplit = split_cost(pairs, longest, 1, sms);
+    double best_cost = unsplit;
     for (int np = 2; np <= kMaxPiecesPerSeq && np <= longest; ++np) {
-      const double c = split_cost(pairs, longest, np, sms);
-      if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np;
+      for (bool v128 : {false, true}) {
+        const double c = split_cost(pairs, longest, np, sms, v128);
+        if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np, sc.pass1_vt128 = v128;
+      }
     }
-    if (best == 1) return sc;
-    if (path == Path::kFusedIfSplit && best_cost >= kTwoPassShare * split_cost(pairs, longest, 1, sms)) return sc;
+    if (best == 1 || (p.split == SplitMode::kAuto && best_cost >= kSplitMinGain * unsplit)) return sc;
+    if (path == Path::kFusedIfSplit && best_cost >= kTwoPassShare * unsplit) return sc;
     sc.fused = true;
     sc.plan.piece_chunks = static_cast<int>((longest + best - 1) / best);
     sc.plan.max_pieces = best;
@@ -262,14 +284,15 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_recur_ws)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<1>::kSmem),
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)FusedCfg<2>::kSmem),
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FusedCfg<2>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<2>)");
-#ifdef QLA_SM90_TEST_HOOKS
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_scan_staged, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kScanStagedSmem),
-               "cudaFuncSetAttribute(gdn_fwd_scan_staged)");
-#endif
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FusedCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -385,7 +408,6 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   rp.skip = g_test_fused_skip;
   rp.ready = ready;
-  rp.lean_maps = g_test_lean_maps;
 #endif
   rp.scale = static_cast<float>(p.scale);
   bool vt128 = fused_v_tile_128(p, N, HV, sms);
@@ -399,12 +421,15 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.maps = reinterpret_cast<float*>(ws + wl.maps);
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
+    rp.lean_maps = 1;
   }
-  // Pass 0 (every forward): whole sequences, or the transfer maps (V + K columns), the first
-  // pieces and the warm-up pieces; then, when split, the scan and pass 1 (split.cuh).
-  // Pass 0 may follow the inverse kernel as a dependent launch (its CTAs then wait on the SMs
-  // the inverse kernel leaves free); pass 1 follows the scan in stream order.
-  auto chunks = [&](bool v128) -> Status {
+  // Pass 0 (every forward): whole sequences; or, split, the lean kernel at V tile 64 for the
+  // transfer maps (V + K columns) and the first pieces, writing no o; then the scan and pass 1
+  // (split.cuh) at the plan's V tile: the warm-up pieces, the exact path's pieces from the
+  // scanned states, piece 0 and the whole sequences. Pass 0 may follow the inverse kernel as a
+  // dependent launch (its CTAs then wait on the SMs the inverse kernel leaves free); pass 1
+  // follows the scan in stream order.
+  auto chunks = [&](bool v128, bool lean) -> Status {
     // Column tiles per value head: V's (1 at V tile 128, 2 at 64), and as many for K's columns
     // in a split call's pass 0 (the transfer maps).
     const int tiles = (v128 ? 1 : 2) * (rp.pass == 0 && sc.max_pieces ? 2 : 1);
@@ -412,33 +437,29 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
     if (v128)
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2>, grid, dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem,
-                                 stream, rp),
+      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2, false>, grid, dim3(FusedCfg<2>::kThreads),
+                                 FusedCfg<2>::kSmem, stream, rp),
                    "launch gdn_fwd_chunks");
     else
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 1>, grid, dim3(FusedCfg<1>::kThreads), FusedCfg<1>::kSmem,
-                                 stream, rp),
+      QLA_CUDA_TRY(launch_kernel(dep, lean ? gdn_fwd_chunks<T, 1, true> : gdn_fwd_chunks<T, 1, false>, grid,
+                                 dim3(FusedCfg<1>::kThreads), FusedCfg<1>::kSmem, stream, rp),
                    "launch gdn_fwd_chunks");
     return Status::Ok();
   };
   rp.pass = 0;
-  s = chunks(vt128);
-  if (!s.ok() || !sc.max_pieces) return s;
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_scan_staged)
-    gdn_fwd_scan_staged<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanStagedSmem, stream>>>(rp);
-  else
-#endif
+  if (!sc.max_pieces) return chunks(vt128, false);
+  s = chunks(false, true);
+  if (!s.ok()) return s;
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
-  // The passes may differ in V tile: the maps hold true units by state column, whatever tile
-  // wrote them (test builds measure pass 1 at the other tile: it has the most CTAs).
-  bool vt128_pass1 = vt128;
+  // The passes differ in V tile where the plan says so: the maps hold true units by state
+  // column, whatever tile wrote them (test builds may force pass 1's tile).
+  bool vt128_pass1 = sc.pass1_vt128;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_pass1_vt) vt128_pass1 = g_test_pass1_vt == 128;
 #endif
-  return chunks(vt128_pass1);
+  return chunks(vt128_pass1, false);
 }
 
 // sc, wl: the split plan and workspace layout, made once per call by forward().
@@ -570,9 +591,7 @@ void set_test_inverse_skip(int bits) { g_test_inverse_skip = bits; }
 void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
-void set_test_scan_staged(int on) { g_test_scan_staged = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
-void set_test_lean_maps(int on) { g_test_lean_maps = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

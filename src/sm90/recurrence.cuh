@@ -46,9 +46,9 @@ struct RecParams {
   // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
   // gates), 8 o's stores. 0 in the library.
   int skip;
-  // Test builds with -DQLA_SM90_LEAN_MAPS only (set_test_lean_maps, split-8 in docs/design.md):
-  // pass 0's CTAs write no o (piece 0 too; pass 1 reruns it from h0) and run the lean chunk
-  // step. A macro of its own: the variant's code costs the other paths registers. 0 elsewhere.
+  // A split call's pass 0 runs the lean kernel (gdn_fwd_chunks<.., true>, split-8 in
+  // docs/design.md): its CTAs write no o; pass 1 runs piece 0 again from h0, and the whole
+  // sequences, with o (piece_role in split.cuh).
   int lean_maps;
 };
 

@@ -121,8 +121,8 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
   r.c0 = c0;
   r.nch = plen;
   if (p.pass == 0) {
-    if (c.sp.np == 1) {  // a whole sequence (also every sequence when unsplit)
-      r.run = rt;
+    if (c.sp.np == 1) {  // a whole sequence (also every sequence when unsplit); lean: in pass 1
+      r.run = rt && !p.lean_maps;
       r.init = kInitH0;
       r.end = kEndFinal;
       return r;
@@ -130,9 +130,7 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
     if (warm || last || (!rt && c.j == 0)) { r.run = false; return r; }
     r.init = rt ? (c.j == 0 ? kInitH0 : kInitZero) : kInitIdentity;
     r.out = rt && c.j == 0;  // the transfer map's columns (v = 0: their tiles lie past v) write none
-#ifdef QLA_SM90_LEAN_MAPS
     if (p.lean_maps) r.out = false;  // piece 0's o comes from pass 1
-#endif
     r.end = kEndMaps;
     return r;
   }
@@ -149,12 +147,10 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
   }
   r.run = rt && c.j > 0;
   r.init = kInitMaps;
-#ifdef QLA_SM90_LEAN_MAPS
-  if (p.lean_maps && c.j == 0) {  // piece 0 again from h0, now with o
+  if (p.lean_maps && c.j == 0) {  // piece 0 (or the whole sequence) again from h0, now with o
     r.run = rt;
     r.init = kInitH0;
   }
-#endif
   return r;
 }
 
@@ -166,7 +162,8 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
 //     registers while it computes step j;
 //   - only S crosses the threads, through shared memory, read as broadcasts; a thread computes
 //     a block of kScanRows rows, so each S load feeds kScanRows x 4 FMAs (3.9 -> 3.6 us a step:
-//     the broadcasts were not what bounds it; gdn_fwd_scan_staged below tests the M loads).
+//     the broadcasts were not what bounds it; M staged in shared memory by bulk copies a step
+//     ahead was slower, 33.6 against 26.5 us at 2/8 1x32768: split-6 in docs/design.md).
 // Thread t holds rows t % 32 + 32 i (i < kScanRows) of M over the reduction part t / 32 (16
 // indices); the 8 parts' sums meet in shared memory, where thread t adds them in order for row
 // t / 2, columns 4 (t & 1) .. + 3, then R. 16 CTAs per (sequence, value head).
@@ -289,76 +286,6 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
     __syncthreads();  // S_{j+1} is in sS; sPart may be written again
   }
 }
-
-#ifdef QLA_SM90_TEST_HOOKS
-// Test builds, to be measured against gdn_fwd_scan (docs/design.md, split-6): M_j staged in
-// shared memory by bulk copies a step ahead. gdn_fwd_scan's M loads (32 rows per warp
-// instruction) go through the LSU that the S broadcasts use, and the step waits for them
-// (3.6 us); bulk copies run on the TMA engine, and the staged rows, padded to kScanMPitch
-// floats, give each thread its 4 rows by conflict-free 16-byte reads.
-constexpr int kScanMPitch = kDK + 4;
-struct ScanStagedSmem {
-  float m[2][kDK][kScanMPitch];            // M_j, M_{j+1}: buffer (j - 1) & 1
-  float part[kScanParts][kDK][kScanCols];  // each part's sums
-  float s[kDK][kScanCols];                 // the state entering piece j (this CTA's columns)
-  uint64_t full[2];                        // a buffer's bulk copies have landed
-  int warm;
-};
-constexpr size_t kScanStagedSmem = sizeof(ScanStagedSmem);
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_staged(const __grid_constant__ RecParams p) {
-  extern __shared__ __align__(16) uint8_t scan_smem[];
-  ScanStagedSmem& sm = *reinterpret_cast<ScanStagedSmem*>(scan_smem);
-  ScanCta sc;
-  if (!scan_cta(p, &sm.warm, sc)) return;
-  const int tid = threadIdx.x;
-  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };
-  if (tid == 0) {
-    mbar_init(&sm.full[0], 1);
-    mbar_init(&sm.full[1], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  // Warp 0 copies M_j's 128 rows (512 bytes each) into buffer (j - 1) & 1.
-  auto stage_m = [&](int j) {
-    if (tid >= 32) return;
-    uint64_t* bar = &sm.full[(j - 1) & 1];
-    if (tid == 0) mbar_expect_tx(bar, kDK * kDK * 4);
-    __syncwarp();
-    const float* mj = map_of(j) + kDV;
-    CUTE_UNROLL
-    for (int i = 0; i < kDK / 32; ++i) {
-      const int row = tid + 32 * i;
-      bulk_g2s(&sm.m[(j - 1) & 1][row][0], mj + row * kMapCols, kDK * 4, bar);
-    }
-  };
-  stage_m(1);
-  if (sc.np > 3) stage_m(2);
-  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
-  const int fd = tid / 2, fc = 4 * (tid & 1);
-  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
-  reinterpret_cast<float4*>(&sm.s[fd][fc])[0] = *r_of(0);  // S_1 = R_0
-  float4 r = *r_of(1), rn = r;
-  __syncthreads();
-  for (int j = 1; j + 1 < sc.np; ++j) {
-    if (j + 2 < sc.np) rn = *r_of(j + 1);  // off the chain
-    const int buf = (j - 1) & 1;
-    mbar_wait(&sm.full[buf], ((j - 1) >> 1) & 1);
-    float m[kScanRows][kScanSpan];
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i)
-      CUTE_UNROLL
-      for (int q = 0; q < kScanSpan / 4; ++q) {
-        const float4 v = reinterpret_cast<const float4*>(&sm.m[buf][r0 + 32 * i][e0])[q];
-        m[i][4 * q] = v.x, m[i][4 * q + 1] = v.y, m[i][4 * q + 2] = v.z, m[i][4 * q + 3] = v.w;
-      }
-    scan_step(m, sm.s, sm.part, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
-    // scan_step's barrier: every thread has read buffer buf, which now takes M_{j+2}.
-    if (j + 3 < sc.np) stage_m(j + 2);
-    r = rn;
-    __syncthreads();  // S_{j+1} is in sS; the parts may be written again
-  }
-}
-#endif
 
 }  // namespace
 }  // namespace sm90

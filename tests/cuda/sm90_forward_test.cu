@@ -38,9 +38,7 @@ void set_test_inverse_skip(int bits);
 void set_test_inverse_group(int group);  // the inverse kernel's value heads per item (-1: all, 0: auto)
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
-void set_test_scan_staged(int on);  // 1: the split scan with M staged by bulk copies (gdn_fwd_scan_staged)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
-void set_test_lean_maps(int on);  // 1: pass 0 writes no o and runs the lean step (split-8)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -768,10 +766,6 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
-  if (std::getenv("QLA_TEST_SCAN_STAGED")) qla::sm90::set_test_scan_staged(1);  // its suites and bench rows with it
-#ifdef QLA_SM90_LEAN_MAPS  // (build with it too: its code costs the other paths registers)
-  if (std::getenv("QLA_TEST_LEAN_MAPS")) qla::sm90::set_test_lean_maps(1);
-#endif
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
@@ -911,9 +905,9 @@ int main(int argc, char** argv) {
     { Case c; c.name = "split: strong decay varlen kVK"; c.lens = {3000, 0, 700, 64, 1300}; c.H = 1; c.HV = 2; c.gmode = 1;
       c.layout = StateLayout::kVK; sc.push_back(c); }
     { Case c; c.name = "split: g=0 T4096 no-h0"; c.B = 2; c.T = 4096; c.H = 1; c.HV = 1; c.gmode = 2; c.h0 = false; sc.push_back(c); }
-    // V tiles of passes 0 and 1: both 64, both 128, and each mixed with the other (the maps
-    // hold true units by state column, whatever tile wrote them).
-    const int vts[][2] = {{64, 64}, {128, 128}, {64, 128}, {128, 64}};
+    // V tiles of passes 0 and 1: pass 0 runs the lean kernel at 64, pass 1 at 64 or 128 (the
+    // maps hold true units by state column, whatever tile wrote them).
+    const int vts[][2] = {{64, 64}, {64, 128}};
     for (const auto& vt : vts) {
       qla::sm90::set_test_fused(vt[0]);
       qla::sm90::set_test_pass1_vt(vt[1]);
@@ -974,20 +968,16 @@ int main(int argc, char** argv) {
           g_split_chunks = 0;
           return out;
         };
+        // The forced pieces with pass 1 at V tile 64, then at 128 (half its CTAs, a longer
+        // step); pass 0 runs the lean kernel at 64 (the model's kStep128Scale and kLeanStepScale).
+        qla::sm90::set_test_pass1_vt(64);
         const std::string forced = forced_pieces();
+        qla::sm90::set_test_pass1_vt(128);
+        const std::string alt = forced_pieces();
+        qla::sm90::set_test_pass1_vt(0);
         std::printf("bench-split %-24s two-pass %.3f  fused %.3f  auto %.3f  | pieces%s ms\n", c.name.c_str(), t2 * 1e3,
                     toff * 1e3, tauto * 1e3, forced.c_str());
-        // The same pieces with pass 1 at V tile 128 (half its CTAs, a longer step), and with
-        // both passes there: the V tile is not yet in the model.
-        for (int both : {0, 1}) {
-          qla::sm90::set_test_fused(both ? 128 : 64);
-          qla::sm90::set_test_pass1_vt(128);
-          const std::string alt = forced_pieces();
-          qla::sm90::set_test_fused(64);
-          qla::sm90::set_test_pass1_vt(0);
-          std::printf("bench-split-vt %-21s V tiles %s / 128 | pieces%s ms\n", c.name.c_str(), both ? "128" : " 64",
-                      alt.c_str());
-        }
+        std::printf("bench-split-vt %-21s V tiles  64 / 128 | pieces%s ms\n", c.name.c_str(), alt.c_str());
       }
       g_bench_lean = false;
       qla::sm90::set_test_fused(0);
@@ -1000,6 +990,7 @@ int main(int argc, char** argv) {
     std::vector<Case> rows;
     auto row = [&](const char* name, int64_t H, int64_t HV, std::vector<int64_t> lens) {
       Case c; c.name = name; c.B = 1; c.H = H; c.HV = HV; c.lens = lens;
+      c.host_lens = lens.size() > 1;  // varlen with the host lengths, as the grid passes them
       c.T = 0;
       for (int64_t l : lens) c.T += l;
       rows.push_back(c);

@@ -51,19 +51,11 @@ def test_short_rows_stay_unsplit_and_uneven_wide_rows_too():
 
 def test_few_pair_rows_split_after_the_narrow_scan():
     # The sixteenth session's --split --bench (the scan at 8 state columns per CTA): the model
-    # picks the measured best piece count or one within 3% of it, and the dispatch takes the
-    # fused forward, split, where a split beats the two-pass estimate: 2/8 at 1x4096 (8 pairs, 64
-    # chunks: 0.112 ms split against 0.134 two-pass), not 4/16 there (16 pairs: split gains
-    # less than the two-pass forward's 13%) nor 2/8 at 1x2048 (32 chunks).
+    # picks the measured best piece count or one within 3% of it (the kernels before split-8).
     rows = scm.parse(os.path.join(ROOT, "bench", "results", "raw", "fwd_split_bench_2026-12-03.txt"))
     co = scm.source_coefficients()
     assert len(rows) >= 13
     assert scm.regret(co, rows) < 1.01
-    assert scm.takes_fused(co, 8, 64)
-    assert scm.takes_fused(co, 8, 128) and scm.takes_fused(co, 16, 128)
-    assert not scm.takes_fused(co, 16, 64)
-    assert not scm.takes_fused(co, 8, 32)
-    assert scm.takes_fused(co, 20, 8)  # the pair threshold alone
 
 
 def test_model_still_picks_after_the_warm_loads_and_blocked_scan():
@@ -96,3 +88,31 @@ def test_v_tile_lines_parse_and_the_pass1_prediction(tmp_path):
     # with a step 1.5x as long the model predicts the gain split-7 was built for.
     assert scm.cost_us(co, 8, 512, 16, vt=(64, 128)) < 0.9 * scm.cost_us(co, 8, 512, 16)
     assert scm.vt_regret(co, rows, 1.5) >= 1.0
+
+
+def test_plan_after_the_lean_pass_and_the_pass1_tile():
+    # The eighteenth session's kernels (split-7, split-8): pass 0 lean at V tile 64, pass 1 at 64
+    # or 128. --split --bench timed every forced piece count at both pass-1 tiles; the plan picks
+    # the measured best option on every mixed-gate row the fused forward serves but one (4/16 at
+    # 4096x2 stays whole under kSplitMinGain: 0.158 ms against 0.155 in 4 pieces; the scales
+    # fitted by --plan).
+    rows = scm.parse_vt(os.path.join(ROOT, "bench", "results", "raw", "fwd_split_bench_2026-12-04b.txt"))
+    co = scm.source_coefficients()
+    assert len(rows) == 13 and all(set(r["times"]) == {(64, 64), (64, 128)} for r in rows)
+    assert scm.plan_regret(co, rows) < 1.005
+    # 2/8 at 1x32768: 16 pieces, pass 1 at V tile 128 (0.281 ms; 0.350 before split-7 and split-8).
+    assert scm.best_pieces(co, dict(pairs=8, longest=512), plan=True) == 16
+    assert scm.plan_cost(co, 8, 512, 16)[1] == 128
+    # The dispatch (this session's --short-bench): fused and split on 8 and 16 pairs of 64 chunks
+    # (2/8 at 1x4096 0.094 ms against the two-pass 0.131; 4/16 there 0.119 against 0.130; 2/8 at
+    # 4096+4096 0.122 against 0.133), the two-pass forward at 32 chunks (2/8 at 1x2048: 0.076
+    # against 0.083 fused).
+    assert scm.takes_fused(co, 8, 64) and scm.takes_fused(co, 16, 64)
+    assert scm.takes_fused(co, 8, 128) and scm.takes_fused(co, 16, 128)
+    assert not scm.takes_fused(co, 8, 32)
+    assert scm.takes_fused(co, 20, 8)  # the pair threshold alone
+    # Rows that fill the SMs unsplit stay whole: 128 pairs of 128 chunks (16/32 at 8192x4 ran
+    # 0.70 ms split in two against 0.57 whole), 128 and 256 pairs of 64, and the close calls of
+    # 48 and 64 long pairs (a predicted gain under 7%: kSplitMinGain).
+    for pairs, longest in ((128, 128), (256, 128), (128, 64), (256, 64), (64, 512), (48, 512), (64, 256)):
+        assert scm.best_pieces(co, dict(pairs=pairs, longest=longest), plan=True) == 1, (pairs, longest)
