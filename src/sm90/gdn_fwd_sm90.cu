@@ -98,14 +98,14 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
 // (inverse kernel + fused recurrence, docs/fused.md) once there are at least kFusedMinPairs
 // (sequence, value head) pairs, or whenever splitting is forced on; sequences of at least
 // kFusedMinChunks chunks take it when the cost model splits them (split.cuh): 2/8 at 1x4096
-// (64 chunks) 0.112 against the two-pass 0.134 ms, 1x8192 0.146 against 0.238, 1x32768 0.360
-// against 0.866 (2026-12-03); at 32 chunks (1x2048) the model keeps the sequence whole and the
-// two-pass forward is as fast (0.081 against the fused 0.085). Below that (few pairs of short
-// sequences) the two-pass forward's V tile 32 with the prep beside it is faster. The pair
-// threshold lies between the grid's 16 and 24 pairs (the harness's --short-bench, 2026-12-01):
-// at 16 pairs the two-pass forward is 12-15% faster (4/16 at 1x4096: 0.135 against 0.155 ms,
-// 16/16 at 1x2048: 0.088 against 0.101), at 24 pairs the fused one wins (8/24 at 1x4096: 0.172
-// against 0.201, 1x2048: 0.110 against 0.114). batch_invariant calls take the fused forward
+// (64 chunks) 0.094 against the two-pass 0.131 ms, 4096+4096 0.122 against 0.133, 4/16 at
+// 1x4096 0.119 against 0.130, 2/8 at 1x32768 0.282 against 0.860 (2026-12-04); at 32 chunks
+// (1x2048) the model keeps the sequence whole and the two-pass forward is faster (0.076 against
+// the fused 0.083). Below that (few pairs of short sequences) the two-pass forward's V tile 32
+// with the prep beside it is faster. The pair threshold lies between the grid's 16 and 24 pairs
+// (the harness's --short-bench, 2026-12-01): at 16 pairs of 32 chunks the two-pass forward is
+// faster (16/16 at 1x2048: 0.082 against 0.090, 2026-12-04), at 24 pairs the fused one wins
+// (8/24 at 1x2048: 0.095 against 0.115). batch_invariant calls take the fused forward
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
@@ -128,7 +128,7 @@ Path path_rule(const GdnForwardParams& p) {
 // Sequence splitting (split.cuh, docs/split.md), decided from the shapes alone (so the workspace
 // query agrees with the launch): the piece plan and a bound on the pieces of the whole call
 // (0: unsplit). The cost model (microseconds) counts the fused recurrence's chunk steps on the
-// longest sequence at V tile 64, one CTA per SM, with a step time that grows with the CTAs in
+// longest sequence (V tile 64; unsplit also 128, split pass 1 64 or 128), one CTA per SM, with a step time that grows with the CTAs in
 // flight (their loads share L2 and HBM): 2.0 us alone, 3.0 us on every SM; each wave pays the
 // pipeline's fill and the state's load and store (about 3 steps). Which heads take the warm-up
 // path is known on the device only; the model assumes a quarter take the exact path (the
