@@ -230,18 +230,26 @@ if want split-check; then
   # The split forward from a harness built on the development machine (.ab/fwd_new: this tree
   # with -DQLA_SM90_TEST_HOOKS; carry .ab): the suites, the few-pair short rows, the split bench
   # (pieces forced, pass 1 at V tile 64 and 128: the cost model's data), and ncu of the split
-  # passes of 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4). About 250 s.
+  # passes of 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4), each with the scan and with
+  # split-9's (QLA_TEST_SCAN_ASYNC). About 400 s.
   b=.ab/fwd_new
   {
     for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
+    # split-9 (docs/design.md): the scan with M copied by cp.async, its suite, ncu and bench
+    echo "== suite --split, async scan"
+    QLA_TEST_SCAN_ASYNC=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
     echo "== short-bench"; timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
-    echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
-    for row in 2 4; do
-      echo "== ncu --profile $row (us: K1, pass 0, scan, pass 1)"
-      ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile $row 2>&1 \
+    for a in 0 1; do for row in 2 4; do for c in auto 16; do
+      envs=(X=1)
+      [[ $a == 1 ]] && envs+=("QLA_TEST_SCAN_ASYNC=1")
+      [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
+      echo "== ncu --profile $row, async scan $a, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
+      env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile $row 2>&1 \
         | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
       echo
-    done
+    done; done; done
+    echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
+    echo "== split-bench, async scan"; QLA_TEST_SCAN_ASYNC=1 timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/split_check.log"
 fi
 snap

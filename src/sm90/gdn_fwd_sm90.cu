@@ -63,6 +63,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
+int g_test_scan_async = 0;  // test builds only: 1 runs gdn_fwd_scan_async (split.cuh) instead of gdn_fwd_scan
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
 
@@ -293,6 +294,10 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
+#ifdef QLA_SM90_TEST_HOOKS
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_scan_async, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kScanAsyncSmem),
+               "cudaFuncSetAttribute(gdn_fwd_scan_async)");
+#endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -450,6 +455,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   if (!sc.max_pieces) return chunks(vt128, false);
   s = chunks(false, true);
   if (!s.ok()) return s;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_scan_async)
+    gdn_fwd_scan_async<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanAsyncSmem, stream>>>(rp);
+  else
+#endif
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
@@ -592,6 +602,7 @@ void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
+void set_test_scan_async(int on) { g_test_scan_async = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

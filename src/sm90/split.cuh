@@ -287,6 +287,72 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   }
 }
 
+#ifdef QLA_SM90_TEST_HOOKS
+// Test builds, to be measured against gdn_fwd_scan (docs/design.md, split-9): M_j copied into
+// padded shared memory by every thread's 16-byte cp.async a step ahead. In gdn_fwd_scan a warp's
+// 16-byte load of M touches 32 rows, 32 cache lines (4096 L1 wavefronts per CTA and step), and
+// ptxas sinks those loads below the step's products to reuse their registers, so they are not
+// ahead: ~2.2 us of the 3.6 us step by that count, after ~1.1 us of products. Here a warp's copy
+// is one row's 512 contiguous bytes (4 wavefronts: 512 per CTA and step), issued right after
+// the step's first barrier and overlapped with the next step; the thread's rows of M_j then come
+// from shared memory (pitch 132 floats: a quarter warp's 16-byte reads fall in distinct banks).
+// Predicted: ~1.6 us a step. (split-6 staged M by 128 bulk copies from one warp a step, which
+// issue one after another, and was slower.)
+constexpr int kScanMPitch = kDK + 4;
+constexpr size_t kScanAsyncSmem = sizeof(float) * (2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols + kDK * kScanCols);
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_async(const __grid_constant__ RecParams p) {
+  extern __shared__ __align__(16) float scan_smem[];
+  float (*sM)[kDK][kScanMPitch] = reinterpret_cast<float (*)[kDK][kScanMPitch]>(scan_smem);  // [2]: M_j, M_{j+1}
+  float (*sPart)[kDK][kScanCols] = reinterpret_cast<float (*)[kDK][kScanCols]>(scan_smem + 2 * kDK * kScanMPitch);
+  float (*sS)[kScanCols] = reinterpret_cast<float (*)[kScanCols]>(scan_smem + 2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols);
+  __shared__ int s_warm;
+  ScanCta sc;
+  if (!scan_cta(p, &s_warm, sc)) return;
+  const int tid = threadIdx.x;
+  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
+  // M_j into buffer (j - 1) & 1: thread tid copies 16 bytes of rows tid / 32 + 8 q (a warp: a row).
+  auto copy_m = [&](int j) {
+    const float* mj = map_of(j) + kDV + 4 * (tid % 32);
+    float* dst = &sM[(j - 1) & 1][tid / 32][4 * (tid % 32)];
+    CUTE_UNROLL
+    for (int q = 0; q < kDK / 8; ++q)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + 8 * q * kScanMPitch)),
+                   "l"(mj + 8 * q * kMapCols)
+                   : "memory");
+  };
+  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
+  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
+  const int fd = tid / 2, fc = 4 * (tid & 1);
+  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
+  copy_m(1);
+  commit();
+  if (sc.np > 3) copy_m(2);
+  commit();  // (one group per step from here on, empty when nothing is left to copy)
+  reinterpret_cast<float4*>(&sS[fd][fc])[0] = *r_of(0);  // S_1 = R_0
+  float4 r = *r_of(1), rn = r;
+  for (int j = 1; j + 1 < sc.np; ++j) {
+    if (j + 2 < sc.np) rn = *r_of(j + 1);  // off the chain
+    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
+    __syncthreads();  // everyone's; S_j is in sS, and sPart may be written again
+    float m[kScanRows][kScanSpan];
+    const int buf = (j - 1) & 1;
+    CUTE_UNROLL
+    for (int i = 0; i < kScanRows; ++i)
+      CUTE_UNROLL
+      for (int q = 0; q < kScanSpan / 4; ++q) {
+        const float4 v = reinterpret_cast<const float4*>(&sM[buf][r0 + 32 * i][e0])[q];
+        m[i][4 * q] = v.x, m[i][4 * q + 1] = v.y, m[i][4 * q + 2] = v.z, m[i][4 * q + 3] = v.w;
+      }
+    scan_step(m, sS, sPart, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
+    // scan_step's barrier: every thread has read buffer buf, which now takes M_{j+2}.
+    if (j + 3 < sc.np) copy_m(j + 2);
+    commit();
+    r = rn;
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+#endif
+
 }  // namespace
 }  // namespace sm90
 }  // namespace qla
