@@ -1,4 +1,4 @@
-"""The sequence-splitting cost model of the sm90 forward (src/sm90/gdn_fwd_sm90.cu, split_cost)
+"""The sequence-splitting cost model of the sm90 forward (src/sm90/split_plan.cuh, split_cost)
 against measured times: calibration and check, on any machine (no GPU).
 
 Input: the lines that `sm90_forward_test --split --bench` prints on the device (one per row:
@@ -22,27 +22,28 @@ import os
 import re
 import sys
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90", "gdn_fwd_sm90.cu")
+_SM90 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "sm90")
+_SRC = (os.path.join(_SM90, "split_plan.cuh"), os.path.join(_SM90, "gdn_fwd_sm90.cu"))  # the model, the dispatch
 _NAMES = ("kStepUs", "kStepLoadedUs", "kWaveSteps", "kScanStepUs", "kPassUs", "kExactShare")
 _TERMS = ("kStep128Scale", "kLeanStepScale", "kSplitMinGain")  # since split-7 and split-8
 SMS = 132
 
 
-def source_coefficients(path: str = _SRC) -> dict:
-    """The model's constants as the C++ source defines them (constexpr double / int)."""
-    text = open(path).read()
+def source_coefficients(paths: tuple = _SRC) -> dict:
+    """The model's constants as the C++ sources define them (constexpr double / int)."""
+    text = "\n".join(open(p).read() for p in paths)
     co = {}
     for name in _NAMES + _TERMS + ("kWarmChunksTypical", "kMaxPiecesPerSeq", "kTwoPassShare", "kFusedMinChunks", "kFusedMinPairs"):
         m = re.search(r"\b" + name + r"\s*=\s*([0-9.]+)", text)
         if not m:
-            raise SystemExit(f"{path}: no constant {name}")
+            raise SystemExit(f"{', '.join(paths)}: no constant {name}")
         co[name] = float(m.group(1))
     return co
 
 
 def cost_us(co: dict, pairs: int, longest: int, np_: int, sms: int = SMS, vt: tuple = (64, 64),
             vt128_scale: float | None = None, lean: bool = False, lean_scale: float | None = None) -> float:
-    """split_cost of gdn_fwd_sm90.cu: the fused recurrence's time on the longest sequence.
+    """split_cost of split_plan.cuh: the fused recurrence's time on the longest sequence.
     vt: the V tiles of passes 0 and 1 (the unsplit pass: vt[0]). At 128 a (piece, head) takes
     half the CTAs and each step vt128_scale times as long (split-7 in docs/design.md; default
     the source's kStep128Scale, fitted with --fit-vt). lean: pass 0 on the lean step (split-8:
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
         print(f"{args.results}: no bench-split lines")
         return 1
     co = source_coefficients()
-    print("coefficients (src/sm90/gdn_fwd_sm90.cu): " + ", ".join(f"{n} {co[n]:g}" for n in _NAMES))
+    print("coefficients (src/sm90/split_plan.cuh): " + ", ".join(f"{n} {co[n]:g}" for n in _NAMES))
     for r in rows:
         ms = "  ".join(f"P{p}: {t:.3f}" for p, t in sorted(r["times"].items()))
         best = min(r["times"], key=r["times"].get)

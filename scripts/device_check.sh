@@ -231,7 +231,8 @@ if want split-check; then
   # with -DQLA_SM90_TEST_HOOKS; carry .ab): the suites, the few-pair short rows, the split bench
   # (pieces forced, pass 1 at V tile 64 and 128: the cost model's data), and ncu of the split
   # passes of 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4), each with the scan and with
-  # split-9's (QLA_TEST_SCAN_ASYNC). About 400 s.
+  # split-9's (QLA_TEST_SCAN_ASYNC); split-10's device plan (suite, short rows without host
+  # lengths). About 480 s.
   b=.ab/fwd_new
   {
     for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
@@ -239,6 +240,12 @@ if want split-check; then
     echo "== suite --split, async scan"
     QLA_TEST_SCAN_ASYNC=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
     echo "== short-bench"; timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
+    # split-10: without host lengths, the plan refined on the device (QLA_TEST_DEVICE_PLAN)
+    echo "== suites default and --split, device plan"
+    for m in "" --split; do QLA_TEST_DEVICE_PLAN=1 timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
+    echo "== short-bench without host lengths"; QLA_TEST_NO_HOST_LENS=1 timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
+    echo "== short-bench without host lengths, device plan"
+    QLA_TEST_NO_HOST_LENS=1 QLA_TEST_DEVICE_PLAN=1 timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
     for a in 0 1; do for row in 2 4; do for c in auto 16; do
       envs=(X=1)
       [[ $a == 1 ]] && envs+=("QLA_TEST_SCAN_ASYNC=1")

@@ -617,17 +617,15 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       aux_convert_qk<T, Cfg>(p, stb, wt QLA_PHASE_PASS);
-      if constexpr (kLean) {  // [U] = Z Tu^T alone needs no scores
-        mbar_arrive(&aready[c % kStages]);
-        continue;
+      if constexpr (!kLean) {  // (the lean step's [U] = Z Tu^T alone needs no scores)
+        QLA_PHASE(3);
+        const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
+        aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
+        // W as fp16 into rows 64-127 of the Tu|W operand.
+        Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
+        stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i); });
+        fence_async_smem();
       }
-      QLA_PHASE(3);
-      const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
-      aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
-      // W as fp16 into rows 64-127 of the Tu|W operand.
-      Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
-      stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i); });
-      fence_async_smem();
       mbar_arrive(&aready[c % kStages]);
       QLA_PHASE(5);
     }

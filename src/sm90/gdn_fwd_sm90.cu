@@ -45,6 +45,7 @@
 #include "recurrence.cuh"
 #include "fused_chunks.cuh"
 #include "split.cuh"
+#include "split_plan.cuh"
 #include "host_util.cuh"
 
 namespace qla {
@@ -63,6 +64,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
+int g_test_device_plan = 0;  // test builds only: 1 refines the plan on the device without host lengths (split-10)
 int g_test_scan_async = 0;  // test builds only: 1 runs gdn_fwd_scan_async (split.cuh) instead of gdn_fwd_scan
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
@@ -128,66 +130,26 @@ Path path_rule(const GdnForwardParams& p) {
 
 // Sequence splitting (split.cuh, docs/split.md), decided from the shapes alone (so the workspace
 // query agrees with the launch): the piece plan and a bound on the pieces of the whole call
-// (0: unsplit). The cost model (microseconds) counts the fused recurrence's chunk steps on the
-// longest sequence (V tile 64; unsplit also 128, split pass 1 64 or 128), one CTA per SM, with a step time that grows with the CTAs in
-// flight (their loads share L2 and HBM): 2.0 us alone, 3.0 us on every SM; each wave pays the
-// pipeline's fill and the state's load and store (about 3 steps). Which heads take the warm-up
-// path is known on the device only; the model assumes a quarter take the exact path (the
-// benchmark's share of g = 0 heads): pass 0 then runs their piece 0 (V columns) and middle
-// pieces (V + K columns), pass 1 their other pieces beside the warm-up path's pieces, each
-// with its warm-up of about 5 chunks. Calibrated on the H200 with the few-pair rows of
-// tests/cuda/sm90_forward_test.cu --split --bench (2026-12-01, bench/results/h200.md): it picks
-// the measured best piece count on 2/8 at 1x4096, 1x8192, 1x32768 and 16/16, 8/32 at 1x32768.
-constexpr int kMaxPiecesPerSeq = 64;
+// (0: unsplit), by the cost model of split_plan.cuh. Without host lengths the plan is made for
+// sequences of the mean length and refined on the device (gdn_chunk_table, refine_plan).
 constexpr int kInvariantPieceChunks = 64;  // batch_invariant's pieces: 4096 tokens
-constexpr double kStepUs = 2.0, kStepLoadedUs = 1.0;  // chunk step: kStepUs + kStepLoadedUs (CTAs / SMs)^2
-constexpr double kWaveSteps = 3.0;                     // a wave's fill and state traffic, in steps
-constexpr double kScanStepUs = 4.0;                    // one step of the scan
-constexpr double kPassUs = 10.0;                       // the scan and pass 1 launches
-constexpr double kExactShare = 0.25;                   // heads assumed to take the exact path
-constexpr int kWarmChunksTypical = 5;
 // Below kFusedMinPairs the two-pass forward takes about 0.87 of the unsplit fused time (2/8 at
 // 1x2048 0.91, 1x4096 0.92, 1x8192 0.85; 4/16 at 1x4096 0.87; 16/16 at 1x2048 0.87): a split
 // must beat that to be taken there (4/16 at 1x4096 splits into 4 pieces at 0.91 of unsplit: not).
 constexpr double kTwoPassShare = 0.87;
-// Split calls run pass 0 on the lean kernel at V tile 64, its steps about 0.8 of the full ones
-// (split-8, fitted to the harness's --split --bench with and without it: 14 us rms over 60
-// piece counts), and pass 1 at V tile 64 or 128 (half the CTAs, steps about 1.3x as long:
-// split-7, fitted to --split --bench with pass 1 at either tile), whichever the model prefers.
-constexpr double kLeanStepScale = 0.7;
-constexpr double kStep128Scale = 1.35;
-// A split is taken when the model puts it under kSplitMinGain of the unsplit forward: the
-// gains it predicts on the calibration rows are within 0.02-0.05 of the measured ones, and
-// closer calls (two pieces of 48 or 64 long pairs, which fill the SMs unsplit) are unmeasured.
-constexpr double kSplitMinGain = 0.93;
-double split_cost(double pairs, int64_t longest, int np, int sms, bool pass1_v128 = false) {
-  // A pass of equal pieces fills whole waves; the unsplit pass counts its waves as a fraction:
-  // its pairs are a length-weighted count, its longest sequences' CTAs run in the first wave and
-  // the shorter ones fill in. (Whole waves there split 16/64 at 28672+4096, 146 weighted CTAs
-  // for 128 long ones, into 2 pieces: 1.80 ms against 1.48 unsplit; the same on the five other
-  // uneven 16/64 rows and 16/48 at 16384+16384, 1.41 against 1.37, and on no other grid row.)
-  auto pass = [&](double ctas, int64_t steps, bool fractional, double step_scale) {
-    if (ctas <= 0) return 0.0;
-    const double waves = fractional ? std::max(1.0, ctas / sms) : std::ceil(ctas / sms);
-    const double active = std::min<double>(ctas, sms) / sms;
-    return waves * (steps + kWaveSteps) * step_scale * (kStepUs + kStepLoadedUs * active * active);
-  };
-  // Unsplit at the cheaper V tile (fused_v_tile_128 takes 128 once 64 needs more than a wave):
-  // against V tile 64 alone, the lean pass and pass 1 at 128 split 128 pairs of 128 chunks
-  // (16/32 at 8192x4: 0.70 ms against 0.57 unsplit, 2026-12-04).
-  if (np <= 1) return std::min(pass(2.0 * pairs, longest, true, 1.0), pass(pairs, longest, true, kStep128Scale));
-  const int64_t len = (longest + np - 1) / np;
-  const double exact = kExactShare * pairs, warm = pairs - exact;
-  const double tiles1 = pass1_v128 ? 1 : 2;  // pass 1's CTAs per (piece, value head)
-  // Pass 0: the exact path's piece 0 (V columns) and middle pieces (V + K columns); pass 1 every
-  // piece (the exact path's piece 0 again, with o), the warm-up path's with their warm-ups.
-  return pass(exact * (2 + 4 * (np - 2)), len, false, kLeanStepScale) +
-         pass(pairs * tiles1 * np, len + kWarmChunksTypical, false, pass1_v128 ? kStep128Scale : 1.0) +
-         (np - 2) * kScanStepUs + kPassUs;
+// The device-side refinement of the plan (split-10 in docs/design.md): test builds only until
+// its device run.
+bool device_plan_enabled() {
+#ifdef QLA_SM90_TEST_HOOKS
+  return g_test_device_plan != 0;
+#else
+  return false;
+#endif
 }
 struct SplitChoice {
   bool fused = false;      // the fused forward (else the two-pass one)
   bool pass1_vt128 = false;  // a split call's pass 1 at V tile 128 (pass 0 runs lean at 64)
+  bool device_plan = false;  // plan refined by gdn_chunk_table (device-only lengths)
   PiecePlan plan;
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
@@ -220,22 +182,32 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
     const int np = piece_split(static_cast<int>(std::min<int64_t>(longest, INT32_MAX)), sc.plan).np;
     sc.pass1_vt128 = np > 1 && split_cost(pairs, longest, np, sms, true) < split_cost(pairs, longest, np, sms, false);
   } else {
-    const double unsplit = split_cost(pairs, longest, 1, sms);
+    // Device-only lengths of several sequences: the plan for sequences of the mean length (the
+    // longest is at least that), any number of pieces per sequence; gdn_chunk_table refines it
+    // from the true lengths (refine_plan), within the grids and maps it sizes.
+    sc.device_plan = device_plan_enabled() && p.cu_seqlens.data && !p.cu_seqlens_host && N > 1 &&
+                     p.split == SplitMode::kAuto;
+    const int64_t model_longest = sc.device_plan ? (longest + N - 1) / N : longest;
+    const double unsplit = split_cost(pairs, model_longest, 1, sms);
     double best_cost = unsplit;
-    for (int np = 2; np <= kMaxPiecesPerSeq && np <= longest; ++np) {
+    for (int np = 2; np <= kMaxPiecesPerSeq && np <= model_longest; ++np) {
       for (bool v128 : {false, true}) {
-        const double c = split_cost(pairs, longest, np, sms, v128);
+        const double c = split_cost(pairs, model_longest, np, sms, v128);
         if (c < best_cost || (p.split == SplitMode::kOn && best == 1)) best_cost = c, best = np, sc.pass1_vt128 = v128;
       }
     }
-    if (best == 1 || (p.split == SplitMode::kAuto && best_cost >= kSplitMinGain * unsplit)) return sc;
-    if (path == Path::kFusedIfSplit && best_cost >= kTwoPassShare * unsplit) return sc;
+    if (best == 1 || (p.split == SplitMode::kAuto && best_cost >= kSplitMinGain * unsplit) ||
+        (path == Path::kFusedIfSplit && best_cost >= kTwoPassShare * unsplit)) {
+      sc.device_plan = false;
+      return sc;
+    }
     sc.fused = true;
-    sc.plan.piece_chunks = static_cast<int>((longest + best - 1) / best);
-    sc.plan.max_pieces = best;
+    sc.plan.piece_chunks = static_cast<int>((model_longest + best - 1) / best);
+    sc.plan.max_pieces = sc.device_plan ? kMaxPiecesPerSeq : best;
   }
   if (longest <= sc.plan.piece_chunks) {  // every sequence whole
     sc.plan = PiecePlan{};
+    sc.device_plan = false;
     return sc;
   }
   // The maps then take at most 1/8 of v's bytes with pieces of 64 chunks (batch_invariant),
@@ -248,7 +220,7 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
 }
 
 struct WsLayout {
-  size_t table = 0, places = 0, ready = 0, pieces = 0, regions = 0, maps = 0, total = 0;
+  size_t table = 0, places = 0, ready = 0, pieces = 0, plan = 0, regions = 0, maps = 0, total = 0;
 };
 WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
@@ -261,7 +233,8 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   w.places = up(4 * chunk_table_ints(N));  // after the chunk table; an int2 per chunk (the inverse kernel's)
   w.ready = w.places + up(8 * mc);  // one int per (chunk, value head)
   w.pieces = w.ready + up(4 * mc * HV);
-  w.regions = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);
+  w.plan = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);  // the refined plan (2 ints)
+  w.regions = w.plan + (sc.device_plan ? up(8) : 0);
   w.maps = w.regions + up(mc * HV * (sc.fused ? kInvRegionBytes : kRegionBytes));
   w.total = w.maps + static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
   return w;
@@ -391,7 +364,14 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   if (g_test_fused_overlap && dependent && !sc.max_pieces && nregions > 0) ready = reinterpret_cast<int*>(ws + wl.ready);
 #endif
   int2* places = reinterpret_cast<int2*>(ws + wl.places);
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places);
+  DevicePlan dp;
+  if (sc.device_plan) {
+    dp.out = reinterpret_cast<int*>(ws + wl.plan);
+    dp.hv = HV;
+    dp.sms = sms;
+    dp.pass1_v128 = sc.pass1_vt128;
+  }
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places, dp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
@@ -427,6 +407,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
     rp.lean_maps = 1;
+    rp.plan_dev = dp.out;
   }
   // Pass 0 (every forward): whole sequences; or, split, the lean kernel at V tile 64 for the
   // transfer maps (V + K columns) and the first pieces, writing no o; then the scan and pass 1
@@ -603,6 +584,7 @@ void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
 void set_test_scan_async(int on) { g_test_scan_async = on; }
+void set_test_device_plan(int on) { g_test_device_plan = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "split_plan.cuh"
 
 namespace qla {
 namespace sm90 {
@@ -153,9 +154,40 @@ __device__ __forceinline__ void write_chunk_places(const SeqDesc& sd, int N, con
 // With a piece table (split forward, pieces != nullptr; layout piece_table_ints in common.cuh):
 // the pieces of the sequences in launch order (piece_split), their offsets by rank and each
 // piece's rank. With places (the fused forward): each chunk's place (write_chunk_places).
+// With a device plan (dp.out, device-only lengths): the piece plan refined from the true
+// lengths (refine_plan in split_plan.cuh) before the piece table, and written to dp.out for the
+// passes and the scan.
+struct DevicePlan {
+  int* out = nullptr;  // [piece_chunks, max_pieces]; null: the host's plan is final
+  int hv = 0, sms = 0;
+  bool pass1_v128 = false;
+};
+// The refined plan by warp 0: lane l weighs np = l + 1 and l + 33 (refine_candidate), then the
+// least cost, ties to the fewest pieces, as refine_plan orders them (its host reference).
+__device__ __forceinline__ PiecePlan refine_plan_warp(const PiecePlan& bound, int longest, double pairs,
+                                                      const DevicePlan& dp) {
+  const int lane = threadIdx.x & 31;
+  double best = INFINITY;
+  int best_np = 1;
+  PiecePlan cand;
+  for (int np = lane + 1; np <= kMaxPiecesPerSeq; np += 32) {
+    if (!refine_candidate(bound, longest, np, cand)) continue;
+    const double c = refine_cost(longest, pairs, dp.sms, dp.pass1_v128, np);
+    if (c < best) best = c, best_np = np;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const double c = __shfl_xor_sync(0xffffffffu, best, o);
+    const int n = __shfl_xor_sync(0xffffffffu, best_np, o);
+    if (c < best || (c == best && n < best_np)) best = c, best_np = n;
+  }
+  const double unsplit = refine_cost(longest, pairs, dp.sms, dp.pass1_v128, 1);
+  if (best_np == 1 || !(best < kSplitMinGain * unsplit)) return PiecePlan{};
+  refine_candidate(bound, longest, best_np, cand);
+  return cand;
+}
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready,
                                                         PiecePlan plan = {}, int* pieces = nullptr,
-                                                        int2* places = nullptr) {
+                                                        int2* places = nullptr, DevicePlan dp = {}) {
   allow_dependent_launch();  // the fused forward's inverse kernel waits for this one's end itself
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   const int tid = threadIdx.x;
@@ -174,6 +206,7 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
         pieces[n] = n;
         if (n < N) pieces[N + 1 + n] = n;
       }
+    if (dp.out && tid == 0) dp.out[0] = 0, dp.out[1] = 1;
     return;
   }
   if (tid == 0) off[N + 1] = 0;
@@ -189,6 +222,29 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
   }
   if (!pieces) return;
   __syncthreads();
+  if (dp.out) {
+    __shared__ int s_longest;
+    __shared__ PiecePlan s_plan;
+    if (tid == 0) s_longest = 0;
+    __syncthreads();
+    int mx = 0;
+    for (int n = tid; n < N; n += 1024) mx = max(mx, off[n + 1] - off[n]);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if ((tid & 31) == 0 && mx > 0) atomicMax(&s_longest, mx);
+    __syncthreads();
+    if (tid < 32) {
+      const int longest = s_longest;
+      // The pairs as forward_choice counts them: each sequence by its share of the longest chain.
+      const double pairs = longest > 0 ? static_cast<double>(off[N]) / longest * dp.hv : 0.0;
+      const PiecePlan r = longest > 0 ? refine_plan_warp(plan, longest, pairs, dp) : PiecePlan{};
+      if (tid == 0) {
+        s_plan = r;
+        dp.out[0] = r.piece_chunks, dp.out[1] = r.max_pieces;
+      }
+    }
+    __syncthreads();
+    plan = s_plan;
+  }
   auto split_of = [&](int r) { const int n = order[r]; return piece_split(off[n + 1] - off[n], plan); };
   block_prefix_sum(N, [&](int r) { return split_of(r).np; }, pieces);
   __syncthreads();

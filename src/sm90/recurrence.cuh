@@ -37,6 +37,7 @@ struct RecParams {
   // The split fused forward (split.cuh, docs/split.md); pieces == nullptr: whole sequences.
   const int* pieces;  // the piece table (piece_table_ints)
   PiecePlan plan;
+  const int* plan_dev;  // non-null: the plan as gdn_chunk_table refined it (device-only lengths), for plan
   float* maps;        // per (piece, value head): [K][V + K] fp32, the piece's end state from zero | its transfer map
   int pass;           // 0: transfer maps, first pieces and warm-up pieces; 1: the other pieces
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
@@ -51,6 +52,11 @@ struct RecParams {
   // sequences, with o (piece_role in split.cuh).
   int lean_maps;
 };
+
+// The piece plan a pass or the scan splits by.
+__device__ __forceinline__ PiecePlan rec_plan(const RecParams& p) {
+  return p.plan_dev ? PiecePlan{p.plan_dev[0], p.plan_dev[1]} : p.plan;
+}
 
 constexpr int kStages = 2;
 // Stage: 16-bit image | Q | K | u tile (fp32, 64 x VT) | gates (528 B, padded to 1 KiB: keeps the

@@ -97,7 +97,7 @@ __device__ __forceinline__ PieceCta piece_cta(const RecParams& p) {
   c.n = c.live ? p.chunk_off[p.N + 2 + rank] : 0;
   seq_bounds(p.sd, c.n, c.b, c.t0, c.slen);
   const int nch = static_cast<int>((c.slen + kC - 1) / kC);
-  c.sp = p.pieces ? piece_split(nch, p.plan) : PieceSplit{1, nch};
+  c.sp = p.pieces ? piece_split(nch, rec_plan(p)) : PieceSplit{1, nch};
   c.ci0 = p.chunk_off[c.n];
   return c;
 }
@@ -188,7 +188,7 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
   const int n = p.chunk_off[p.N + 2 + rank];
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
-  const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), p.plan);
+  const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), rec_plan(p));
   if (sp.np < 3) return false;
   if (threadIdx.x < 32) {
     const bool w = warm_path(p, p.chunk_off[n], sc.hv, sp, threadIdx.x);

@@ -40,6 +40,7 @@ void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
 void set_test_scan_async(int on);  // 1: the split scan with M copied by cp.async (gdn_fwd_scan_async, split-9)
+void set_test_device_plan(int on);  // 1: without host lengths, the plan refined on the device (split-10)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -768,6 +769,7 @@ int main(int argc, char** argv) {
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
   if (std::getenv("QLA_TEST_SCAN_ASYNC")) qla::sm90::set_test_scan_async(1);  // its suites and bench rows with it
+  if (std::getenv("QLA_TEST_DEVICE_PLAN")) qla::sm90::set_test_device_plan(1);  // its suites and bench rows with it
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
@@ -926,6 +928,18 @@ int main(int argc, char** argv) {
     g_split_chunks = 0;
     qla::sm90::set_test_fused(0);
     qla::sm90::set_test_pass1_vt(0);
+    {
+      // The automatic plan of few-pair varlen calls without host lengths (the dispatch's own
+      // choice; with QLA_TEST_DEVICE_PLAN, refined on the device from the lengths: split-10).
+      std::vector<Case> ac;
+      { Case c; c.name = "auto: varlen 8000+6000 bench dist"; c.lens = {8000, 6000}; c.H = 1; c.HV = 2; c.gmode = 3; ac.push_back(c); }
+      { Case c; c.name = "auto: varlen 9000+300 g=0"; c.lens = {9000, 300}; c.H = 1; c.HV = 1; c.gmode = 2; ac.push_back(c); }
+      { Case c; c.name = "auto: varlen 7000+0+7000 strong decay kVK"; c.lens = {7000, 0, 7000}; c.H = 1; c.HV = 2; c.gmode = 1;
+        c.layout = StateLayout::kVK; ac.push_back(c); }
+      g_max_o = g_max_h = 0;
+      for (size_t i = 0; i < ac.size(); ++i) ok = run_case(ac[i], 4680 + i, stream, i == 0) && ok;
+      std::printf("auto split, device-only lengths: max o %.2e  max state %.2e\n", g_max_o, g_max_h);
+    }
     if (do_bench) {
       // Few-pair rows: the two-pass forward, the fused one unsplit, split automatically, and
       // split into pieces of 4 to 128 chunks (the cost model's calibration, also below 128
@@ -992,7 +1006,9 @@ int main(int argc, char** argv) {
     std::vector<Case> rows;
     auto row = [&](const char* name, int64_t H, int64_t HV, std::vector<int64_t> lens) {
       Case c; c.name = name; c.B = 1; c.H = H; c.HV = HV; c.lens = lens;
-      c.host_lens = lens.size() > 1;  // varlen with the host lengths, as the grid passes them
+      // Varlen with the host lengths, as the grid passes them (QLA_TEST_NO_HOST_LENS: without,
+      // as a caller with device-only cu_seqlens).
+      c.host_lens = lens.size() > 1 && !std::getenv("QLA_TEST_NO_HOST_LENS");
       c.T = 0;
       for (int64_t l : lens) c.T += l;
       rows.push_back(c);

@@ -6,12 +6,14 @@
 // of the sequential passes' longest-first launch order (order_bucket), and the split forward's
 // pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds), and the
 // overlapped prep's level order of chunks (level_order_chunk).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "sm90/common.cuh"
+#include "sm90/split_plan.cuh"
 
 namespace {
 using namespace qla::sm90;
@@ -130,6 +132,50 @@ int level_order_violations() {
   }
   return bad;
 }
+// refine_plan (split_plan.cuh: gdn_chunk_table's plan from the true lengths, within the bound
+// plan that sized the grids and maps): over random calls, no sequence gets more pieces than the
+// bound gave it (so the piece table and maps fit), pieces are no shorter than the bound's, the
+// longest sequence gets the plan's piece count, the plan is the cheapest feasible candidate
+// (ties to fewer pieces), and a split is taken only under kSplitMinGain of unsplit.
+int refine_violations() {
+  std::mt19937 rng(11);
+  int bad = 0;
+  for (int it = 0; it < 3000; ++it) {
+    const int N = 2 + static_cast<int>(rng() % 40);
+    const int hv = 1 << (rng() % 6);
+    std::vector<int> nch(N);
+    int longest = 0, total = 0;
+    for (int& c : nch) {
+      c = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % (1 + rng() % 1024));
+      longest = std::max(longest, c);
+      total += c;
+    }
+    const PiecePlan bound{1 + static_cast<int>(rng() % 64), kMaxPiecesPerSeq};
+    const bool v128 = rng() % 2;
+    const double pairs = longest ? static_cast<double>(total) / longest * hv : 0.0;
+    const PiecePlan r = refine_plan(bound, longest, pairs, 132, v128);
+    if (r.piece_chunks != 0 && r.piece_chunks < bound.piece_chunks) ++bad;
+    for (int c : nch)
+      if (piece_split(c, r).np > piece_split(c, bound).np) ++bad;
+    if (longest == 0) {
+      if (r.piece_chunks != 0) ++bad;
+      continue;
+    }
+    const int np = piece_split(longest, r).np;
+    if (r.piece_chunks != 0 && np != r.max_pieces) ++bad;
+    const double unsplit = refine_cost(longest, pairs, 132, v128, 1);
+    const double cost = np > 1 ? refine_cost(longest, pairs, 132, v128, np) : unsplit;
+    if (np > 1 && !(cost < kSplitMinGain * unsplit)) ++bad;
+    PiecePlan cand;
+    for (int k = 2; k <= kMaxPiecesPerSeq; ++k) {
+      if (!refine_candidate(bound, longest, k, cand)) continue;
+      const double ck = refine_cost(longest, pairs, 132, v128, k);
+      if (np > 1 && (ck < cost || (ck == cost && k < np))) ++bad;         // a cheaper one was left
+      if (np == 1 && ck < kSplitMinGain * unsplit) ++bad;                // a split that pays was left
+    }
+  }
+  return bad;
+}
 }  // namespace
 
 int main() {
@@ -141,7 +187,8 @@ int main() {
   const int key = order_key_violations();
   const int pcs = piece_violations();
   const int lvl = level_order_violations();
+  const int ref = refine_violations();
   std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d; "
-              "level order violations %d\n", bf, fp, key, pcs, lvl);
-  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && lvl == 0 ? 0 : 1;
+              "level order violations %d; refined plan violations %d\n", bf, fp, key, pcs, lvl, ref);
+  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && lvl == 0 && ref == 0 ? 0 : 1;
 }

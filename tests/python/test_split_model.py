@@ -1,5 +1,5 @@
 """The sm90 forward's splitting cost model (bench/split_cost_model.py reads its coefficients from
-src/sm90/gdn_fwd_sm90.cu) against the committed device measurements: no GPU needed."""
+src/sm90/split_plan.cuh and gdn_fwd_sm90.cu) against the committed device measurements: no GPU needed."""
 import os
 import sys
 
