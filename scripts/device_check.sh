@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-check]
+#                                [warm-peers] [warm-wait] [split-check] [stalls]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -258,6 +258,29 @@ if want split-check; then
     echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
     echo "== split-bench, async scan"; QLA_TEST_SCAN_ASYNC=1 timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/split_check.log"
+fi
+snap
+
+if want stalls; then
+  # Where the loaded chunk step and the scan's step go (issue 12's open question, docs/design.md
+  # split-9): ncu's warp-state, scheduler and memory sections for one launch of the fused
+  # recurrence at 16/32 8192x4 (bench row 1, V tile 128, every SM busy) and at 2/8 1x32768's
+  # pass 1 (row 2), and for the scan of row 2, each scan. Full reports in $LOGS/stalls_*.txt
+  # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 120 s.
+  b=.ab/fwd_new
+  secs=(--section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats)
+  run_ncu() {  # tag, kernel regex, launch skip, row, env...
+    local tag=$1 k=$2 skip=$3 row=$4; shift 4
+    env X=1 "$@" ncu --clock-control none "${secs[@]}" -k "regex:$k" --launch-skip "$skip" --launch-count 1 $b --profile "$row" \
+      > "$LOGS/stalls_$tag.txt" 2>&1
+    echo "== $tag"; grep -E "Stall|Issued|Eligible|Active Warps|Duration|L1/TEX Hit|Mem Busy|Registers" "$LOGS/stalls_$tag.txt" | head -24
+  }
+  {
+    run_ncu k2_16_32_8192x4 gdn_fwd_chunks 0 1
+    run_ncu k2_pass1_2_8_1x32768 gdn_fwd_chunks 1 2
+    run_ncu scan_2_8_1x32768 gdn_fwd_scan 0 2
+    run_ncu scan_async_2_8_1x32768 gdn_fwd_scan 0 2 QLA_TEST_SCAN_ASYNC=1
+  } 2>&1 | tee "$LOGS/stalls.log"
 fi
 snap
 
