@@ -228,35 +228,24 @@ snap
 
 if want split-check; then
   # The split forward from a harness built on the development machine (.ab/fwd_new: this tree
-  # with -DQLA_SM90_TEST_HOOKS; carry .ab): the suites, the few-pair short rows, the split bench
-  # (pieces forced, pass 1 at V tile 64 and 128: the cost model's data), and ncu of the split
-  # passes of 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4), each with the scan and with
-  # split-9's (QLA_TEST_SCAN_ASYNC); split-10's device plan (suite, short rows without host
-  # lengths). About 480 s.
+  # with -DQLA_SM90_TEST_HOOKS; carry .ab): the suites, the few-pair short rows with and without
+  # host lengths (without: the plan refined on the device, split-10), the split bench (pieces
+  # forced, pass 1 at V tile 64 and 128: the cost model's data), and ncu of the split passes of
+  # 2/8 1x32768 (bench row 2) and 16/16 1x32768 (row 4). About 150 s.
   b=.ab/fwd_new
   {
     for m in "" --split --fused; do echo "== suite ${m:-default}"; timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
-    # split-9 (docs/design.md): the scan with M copied by cp.async, its suite, ncu and bench
-    echo "== suite --split, async scan"
-    QLA_TEST_SCAN_ASYNC=1 timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16
     echo "== short-bench"; timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
-    # split-10: without host lengths, the plan refined on the device (QLA_TEST_DEVICE_PLAN)
-    echo "== suites default and --split, device plan"
-    for m in "" --split; do QLA_TEST_DEVICE_PLAN=1 timeout 150 $b $m 2>&1 | grep -E "FAIL|PASSED|max o" | tail -16; done
     echo "== short-bench without host lengths"; QLA_TEST_NO_HOST_LENS=1 timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
-    echo "== short-bench without host lengths, device plan"
-    QLA_TEST_NO_HOST_LENS=1 QLA_TEST_DEVICE_PLAN=1 timeout 90 $b --short-bench 2>&1 | grep "^bench-short"
-    for a in 0 1; do for row in 2 4; do for c in auto 16; do
+    for row in 2 4; do for c in auto 16; do
       envs=(X=1)
-      [[ $a == 1 ]] && envs+=("QLA_TEST_SCAN_ASYNC=1")
       [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
-      echo "== ncu --profile $row, async scan $a, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
+      echo "== ncu --profile $row, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
       env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile $row 2>&1 \
         | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
       echo
-    done; done; done
+    done; done
     echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
-    echo "== split-bench, async scan"; QLA_TEST_SCAN_ASYNC=1 timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/split_check.log"
 fi
 snap
@@ -265,8 +254,8 @@ if want stalls; then
   # Where the loaded chunk step and the scan's step go (issue 12's open question, docs/design.md
   # split-9): ncu's warp-state, scheduler and memory sections for one launch of the fused
   # recurrence at 16/32 8192x4 (bench row 1, V tile 128, every SM busy) and at 2/8 1x32768's
-  # pass 1 (row 2), and for the scan of row 2, each scan. Full reports in $LOGS/stalls_*.txt
-  # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 120 s.
+  # pass 1 (row 2), and for the scan of row 2. Full reports in $LOGS/stalls_*.txt
+  # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 20 s.
   b=.ab/fwd_new
   secs=(--section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats)
   run_ncu() {  # tag, kernel regex, launch skip, row, env...
@@ -279,7 +268,6 @@ if want stalls; then
     run_ncu k2_16_32_8192x4 gdn_fwd_chunks 0 1
     run_ncu k2_pass1_2_8_1x32768 gdn_fwd_chunks 1 2
     run_ncu scan_2_8_1x32768 gdn_fwd_scan 0 2
-    run_ncu scan_async_2_8_1x32768 gdn_fwd_scan 0 2 QLA_TEST_SCAN_ASYNC=1
   } 2>&1 | tee "$LOGS/stalls.log"
 fi
 snap

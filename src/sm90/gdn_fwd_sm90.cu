@@ -64,8 +64,6 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
-int g_test_device_plan = 0;  // test builds only: 1 refines the plan on the device without host lengths (split-10)
-int g_test_scan_async = 0;  // test builds only: 1 runs gdn_fwd_scan_async (split.cuh) instead of gdn_fwd_scan
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
 
@@ -137,15 +135,6 @@ constexpr int kInvariantPieceChunks = 64;  // batch_invariant's pieces: 4096 tok
 // 1x2048 0.91, 1x4096 0.92, 1x8192 0.85; 4/16 at 1x4096 0.87; 16/16 at 1x2048 0.87): a split
 // must beat that to be taken there (4/16 at 1x4096 splits into 4 pieces at 0.91 of unsplit: not).
 constexpr double kTwoPassShare = 0.87;
-// The device-side refinement of the plan (split-10 in docs/design.md): test builds only until
-// its device run.
-bool device_plan_enabled() {
-#ifdef QLA_SM90_TEST_HOOKS
-  return g_test_device_plan != 0;
-#else
-  return false;
-#endif
-}
 struct SplitChoice {
   bool fused = false;      // the fused forward (else the two-pass one)
   bool pass1_vt128 = false;  // a split call's pass 1 at V tile 128 (pass 0 runs lean at 64)
@@ -185,7 +174,7 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
     // Device-only lengths of several sequences: the plan for sequences of the mean length (the
     // longest is at least that), any number of pieces per sequence; gdn_chunk_table refines it
     // from the true lengths (refine_plan), within the grids and maps it sizes.
-    sc.device_plan = device_plan_enabled() && p.cu_seqlens.data && !p.cu_seqlens_host && N > 1 &&
+    sc.device_plan = p.cu_seqlens.data && !p.cu_seqlens_host && N > 1 &&
                      p.split == SplitMode::kAuto;
     const int64_t model_longest = sc.device_plan ? (longest + N - 1) / N : longest;
     const double unsplit = split_cost(pairs, model_longest, 1, sms);
@@ -267,10 +256,8 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
-#ifdef QLA_SM90_TEST_HOOKS
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_scan_async, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kScanAsyncSmem),
-               "cudaFuncSetAttribute(gdn_fwd_scan_async)");
-#endif
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_scan, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kScanSmem),
+               "cudaFuncSetAttribute(gdn_fwd_scan)");
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
@@ -436,12 +423,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   if (!sc.max_pieces) return chunks(vt128, false);
   s = chunks(false, true);
   if (!s.ok()) return s;
-#ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_scan_async)
-    gdn_fwd_scan_async<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanAsyncSmem, stream>>>(rp);
-  else
-#endif
-  gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, 0, stream>>>(rp);
+  gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_scan");
   rp.pass = 1;
   // The passes differ in V tile where the plan says so: the maps hold true units by state
@@ -583,8 +565,6 @@ void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
-void set_test_scan_async(int on) { g_test_scan_async = on; }
-void set_test_device_plan(int on) { g_test_device_plan = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

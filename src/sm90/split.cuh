@@ -158,12 +158,10 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
 // columns): S_{j+1} = M_j S_j + R_j for j = 1 .. np - 2, in place of R_j (R_0 is already S_1, the
 // state after piece 0 run from h0). fp32 with a fixed summation order (bitwise deterministic).
 // The chain is the np - 2 dependent steps, so a step must be short:
-//   - M_j does not depend on the chain: each thread loads its part of M_{j+1} (and R_{j+1}) into
-//     registers while it computes step j;
+//   - M_j does not depend on the chain: it is copied into shared memory a step ahead (cp.async,
+//     coalesced: split-9 in docs/design.md; bulk copies from one warp were slower, split-6);
 //   - only S crosses the threads, through shared memory, read as broadcasts; a thread computes
-//     a block of kScanRows rows, so each S load feeds kScanRows x 4 FMAs (3.9 -> 3.6 us a step:
-//     the broadcasts were not what bounds it; M staged in shared memory by bulk copies a step
-//     ahead was slower, 33.6 against 26.5 us at 2/8 1x32768: split-6 in docs/design.md).
+//     a block of kScanRows rows, so each S load feeds kScanRows x 4 FMAs.
 // Thread t holds rows t % 32 + 32 i (i < kScanRows) of M over the reduction part t / 32 (16
 // indices); the 8 parts' sums meet in shared memory, where thread t adds them in order for row
 // t / 2, columns 4 (t & 1) .. + 3, then R. 16 CTAs per (sequence, value head).
@@ -242,69 +240,20 @@ __device__ __forceinline__ void scan_step(const float (&m)[kScanRows][kScanSpan]
   *dst = sn;
 }
 
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  __shared__ __align__(16) float sS[kDK][kScanCols];                // the state entering piece j (this CTA's columns)
-  __shared__ __align__(16) float sPart[kScanParts][kDK][kScanCols];  // each part's sums
-  __shared__ int s_warm;
-  ScanCta sc;
-  if (!scan_cta(p, &s_warm, sc)) return;
-  const int tid = threadIdx.x;
-  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
-  // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
-  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
-  float m[kScanRows][kScanSpan], mn[kScanRows][kScanSpan];
-  auto load_m = [&](int j, float (&dst)[kScanRows][kScanSpan]) {
-    const float* mj = map_of(j) + kDV + e0;
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i) {
-      const float4* src = reinterpret_cast<const float4*>(mj + (r0 + 32 * i) * kMapCols);
-      CUTE_UNROLL
-      for (int q = 0; q < kScanSpan / 4; ++q) {
-        const float4 v = src[q];
-        dst[i][4 * q] = v.x, dst[i][4 * q + 1] = v.y, dst[i][4 * q + 2] = v.z, dst[i][4 * q + 3] = v.w;
-      }
-    }
-  };
-  // The final sums: row fd, columns fc .. fc + 3 of this CTA's slice (R_j's part of them in r).
-  const int fd = tid / 2, fc = 4 * (tid & 1);
-  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
-  reinterpret_cast<float4*>(&sS[fd][fc])[0] = *r_of(0);  // S_1 = R_0
-  float4 r = *r_of(1), rn = r;
-  load_m(1, m);
-  __syncthreads();
-  for (int j = 1; j + 1 < sc.np; ++j) {
-    if (j + 2 < sc.np) {  // the next step's operands, off the chain
-      load_m(j + 1, mn);
-      rn = *r_of(j + 1);
-    }
-    scan_step(m, sS, sPart, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
-    r = rn;
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i)
-      CUTE_UNROLL
-      for (int e = 0; e < kScanSpan; ++e) m[i][e] = mn[i][e];
-    __syncthreads();  // S_{j+1} is in sS; sPart may be written again
-  }
-}
-
-#ifdef QLA_SM90_TEST_HOOKS
-// Test builds, to be measured against gdn_fwd_scan (docs/design.md, split-9): M_j copied into
-// padded shared memory by every thread's 16-byte cp.async a step ahead. In gdn_fwd_scan a warp's
-// 16-byte load of M touches 32 rows, 32 cache lines (4096 L1 wavefronts per CTA and step), and
-// ptxas sinks those loads below the step's products to reuse their registers, so they are not
-// ahead: ~2.2 us of the 3.6 us step by that count, after ~1.1 us of products. Here a warp's copy
-// is one row's 512 contiguous bytes (4 wavefronts: 512 per CTA and step), issued right after
-// the step's first barrier and overlapped with the next step; the thread's rows of M_j then come
-// from shared memory (pitch 132 floats: a quarter warp's 16-byte reads fall in distinct banks).
-// Predicted: ~1.6 us a step. (split-6 staged M by 128 bulk copies from one warp a step, which
-// issue one after another, and was slower.)
+// The scan over one (sequence, value head)'s pieces, a slice of kScanCols state columns per
+// CTA: S_{j+1} = M_j S_j + R_j (written over R_j). M_j is copied into padded shared memory by
+// every thread's 16-byte cp.async a step ahead (split-9 in docs/design.md): a warp copies one
+// row's 512 contiguous bytes, overlapped with the step before, and the products read it back
+// without bank conflicts (pitch kDK + 4 floats). Loading it straight into registers instead
+// cost 4096 L1 wavefronts a step (a warp's load spanned 32 rows), and ptxas sank those loads
+// below the products: 3.6 against 2.2 us a step at 2/8 1x32768.
 constexpr int kScanMPitch = kDK + 4;
-constexpr size_t kScanAsyncSmem = sizeof(float) * (2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols + kDK * kScanCols);
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_async(const __grid_constant__ RecParams p) {
+constexpr size_t kScanSmem = sizeof(float) * (2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols + kDK * kScanCols);
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
   extern __shared__ __align__(16) float scan_smem[];
   float (*sM)[kDK][kScanMPitch] = reinterpret_cast<float (*)[kDK][kScanMPitch]>(scan_smem);  // [2]: M_j, M_{j+1}
-  float (*sPart)[kDK][kScanCols] = reinterpret_cast<float (*)[kDK][kScanCols]>(scan_smem + 2 * kDK * kScanMPitch);
-  float (*sS)[kScanCols] = reinterpret_cast<float (*)[kScanCols]>(scan_smem + 2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols);
+  float (*sPart)[kDK][kScanCols] = reinterpret_cast<float (*)[kDK][kScanCols]>(scan_smem + 2 * kDK * kScanMPitch);  // each part's sums
+  float (*sS)[kScanCols] = reinterpret_cast<float (*)[kScanCols]>(scan_smem + 2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols);  // S_j, this CTA's columns
   __shared__ int s_warm;
   ScanCta sc;
   if (!scan_cta(p, &s_warm, sc)) return;
@@ -312,7 +261,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_async(const __gr
   auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
   // M_j into buffer (j - 1) & 1: thread tid copies 16 bytes of rows tid / 32 + 8 q (a warp: a row).
   auto copy_m = [&](int j) {
-    const float* mj = map_of(j) + kDV + 4 * (tid % 32);
+    const float* mj = map_of(j) + (tid / 32) * kMapCols + kDV + 4 * (tid % 32);
     float* dst = &sM[(j - 1) & 1][tid / 32][4 * (tid % 32)];
     CUTE_UNROLL
     for (int q = 0; q < kDK / 8; ++q)
@@ -321,7 +270,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_async(const __gr
                    : "memory");
   };
   auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
+  // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
   const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
+  // The final sums: row fd, columns fc .. fc + 3 of this CTA's slice (R_j's part of them in r).
   const int fd = tid / 2, fc = 4 * (tid & 1);
   auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
   copy_m(1);
@@ -351,7 +302,6 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_async(const __gr
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-#endif
 
 }  // namespace
 }  // namespace sm90

@@ -23,7 +23,7 @@ namespace sm90 {
 constexpr int kMaxPiecesPerSeq = 64;
 constexpr double kStepUs = 2.0, kStepLoadedUs = 1.0;  // chunk step: kStepUs + kStepLoadedUs (CTAs / SMs)^2
 constexpr double kWaveSteps = 3.0;                     // a wave's fill and state traffic, in steps
-constexpr double kScanStepUs = 4.0;                    // one step of the scan
+constexpr double kScanStepUs = 2.5;                    // one step of the scan (split-9: 2.3 us measured)
 constexpr double kPassUs = 10.0;                       // the scan and pass 1 launches
 constexpr double kExactShare = 0.25;                   // heads assumed to take the exact path
 constexpr int kWarmChunksTypical = 5;

@@ -39,8 +39,6 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
-void set_test_scan_async(int on);  // 1: the split scan with M copied by cp.async (gdn_fwd_scan_async, split-9)
-void set_test_device_plan(int on);  // 1: without host lengths, the plan refined on the device (split-10)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -768,8 +766,6 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
-  if (std::getenv("QLA_TEST_SCAN_ASYNC")) qla::sm90::set_test_scan_async(1);  // its suites and bench rows with it
-  if (std::getenv("QLA_TEST_DEVICE_PLAN")) qla::sm90::set_test_device_plan(1);  // its suites and bench rows with it
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
@@ -930,7 +926,7 @@ int main(int argc, char** argv) {
     qla::sm90::set_test_pass1_vt(0);
     {
       // The automatic plan of few-pair varlen calls without host lengths (the dispatch's own
-      // choice; with QLA_TEST_DEVICE_PLAN, refined on the device from the lengths: split-10).
+      // choice, refined on the device from the lengths: split-10).
       std::vector<Case> ac;
       { Case c; c.name = "auto: varlen 8000+6000 bench dist"; c.lens = {8000, 6000}; c.H = 1; c.HV = 2; c.gmode = 3; ac.push_back(c); }
       { Case c; c.name = "auto: varlen 9000+300 g=0"; c.lens = {9000, 300}; c.H = 1; c.HV = 1; c.gmode = 2; ac.push_back(c); }
