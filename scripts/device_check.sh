@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-check] [stalls]
+#                                [warm-peers] [warm-wait] [split-check] [scan-mma] [stalls]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -247,6 +247,34 @@ if want split-check; then
     done; done
     echo "== split-bench"; timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/split_check.log"
+fi
+snap
+
+if want scan-mma; then
+  # split-11: the tensor-core scan (test builds, QLA_TEST_SCAN_MMA = 1 or 3 tf32 products)
+  # against the FMA scan (0) in one binary (.ab/fwd_new, carry .ab): the --split suite's
+  # accuracy and bitwise repeats, the scan's ncu time at 2/8 1x32768 (bench row 2) at the plan's
+  # pieces and at pieces of 16 and 8 chunks (31 and 63 steps), and the split bench. About 450 s:
+  # its own call.
+  b=.ab/fwd_new
+  {
+    for terms in 0 1 3; do
+      echo "== scan terms $terms: suite --split"
+      QLA_TEST_SCAN_MMA=$terms timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
+      for c in auto 16 8; do
+        envs=(QLA_TEST_SCAN_MMA=$terms)
+        [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
+        echo "== scan terms $terms: ncu --profile 2, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
+        env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile 2 2>&1 \
+          | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
+        echo
+      done
+      # The split bench (pieces forced, the model's kScanStepUs): the FMA scan and tf32 alone.
+      [[ $terms == 3 ]] && continue
+      echo "== scan terms $terms: split-bench"
+      QLA_TEST_SCAN_MMA=$terms timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
+    done
+  } 2>&1 | tee "$LOGS/scan_mma.log"
 fi
 snap
 

@@ -177,10 +177,10 @@ static_assert(kScanCols == 8 && kScanThreads == 2 * kDK, "the final sum: a threa
 struct ScanCta {
   int hv, c0, np, map0;
 };
-__device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCta& sc) {
-  constexpr int kSlices = kDV / kScanCols;
-  sc.hv = static_cast<int>(blockIdx.x / kSlices);
-  sc.c0 = static_cast<int>(blockIdx.x % kSlices) * kScanCols;
+__device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCta& sc, int cols = kScanCols) {
+  const int slices = kDV / cols;
+  sc.hv = static_cast<int>(blockIdx.x / slices);
+  sc.c0 = static_cast<int>(blockIdx.x % slices) * cols;
   const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
   if (rank >= p.N || p.chunk_off[p.N + 1]) return false;
   const int n = p.chunk_off[p.N + 2 + rank];
@@ -197,6 +197,22 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
   sc.np = sp.np;
   sc.map0 = p.pieces[rank] - rank;
   return true;
+}
+
+// M_j's K x K block of a map ([R_j | M_j], rows of kMapCols) into shared memory by every
+// thread's 16-byte cp.async: thread tid copies rows tid / 32 + 8 q, so a warp copies one row's
+// 512 contiguous bytes (coalesced). dst(row, col) places 4 floats (the layouts pad or swizzle
+// rows so that the products' reads hit distinct banks). The caller commits the group.
+template <class Dst>
+__device__ __forceinline__ void scan_copy_m(const float* map, Dst dst) {
+  static_assert(kScanThreads == 8 * 32, "8 warps: rows w + 8 q");
+  const int tid = threadIdx.x;
+  const float* src = map + (tid / 32) * kMapCols + kDV + 4 * (tid % 32);
+  CUTE_UNROLL
+  for (int q = 0; q < kDK / 8; ++q)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst(tid / 32 + 8 * q, 4 * (tid % 32)))),
+                 "l"(src + 8 * q * kMapCols)
+                 : "memory");
 }
 
 // One step of the scan after M_j's part is in this thread's registers (m: rows r0 + 32 i over
@@ -247,7 +263,7 @@ __device__ __forceinline__ void scan_step(const float (&m)[kScanRows][kScanSpan]
 // without bank conflicts (pitch kDK + 4 floats). Loading it straight into registers instead
 // cost 4096 L1 wavefronts a step (a warp's load spanned 32 rows), and ptxas sank those loads
 // below the products: 3.6 against 2.2 us a step at 2/8 1x32768.
-constexpr int kScanMPitch = kDK + 4;
+constexpr int kScanMPitch = kDK + 4;  // floats: the products' 16-byte reads hit distinct banks
 constexpr size_t kScanSmem = sizeof(float) * (2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols + kDK * kScanCols);
 __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
   extern __shared__ __align__(16) float scan_smem[];
@@ -259,15 +275,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   if (!scan_cta(p, &s_warm, sc)) return;
   const int tid = threadIdx.x;
   auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
-  // M_j into buffer (j - 1) & 1: thread tid copies 16 bytes of rows tid / 32 + 8 q (a warp: a row).
-  auto copy_m = [&](int j) {
-    const float* mj = map_of(j) + (tid / 32) * kMapCols + kDV + 4 * (tid % 32);
-    float* dst = &sM[(j - 1) & 1][tid / 32][4 * (tid % 32)];
-    CUTE_UNROLL
-    for (int q = 0; q < kDK / 8; ++q)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + 8 * q * kScanMPitch)),
-                   "l"(mj + 8 * q * kMapCols)
-                   : "memory");
+  auto copy_m = [&](int j) {  // M_j into buffer (j - 1) & 1, rows padded to kScanMPitch floats
+    scan_copy_m(map_of(j), [&](int row, int col) { return &sM[(j - 1) & 1][row][col]; });
   };
   auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
   // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
@@ -302,6 +311,185 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+
+#ifdef QLA_SM90_TEST_HOOKS
+// The scan on the tensor cores (split-11 in docs/design.md; test builds, chosen by
+// set_test_scan_mma until it has run on the device). The FMA scan's step (2.3 us at 2/8
+// 1x32768) is two barriers and the 8 parts' ordered sums (ncu: 0.27 issued per cycle), and each
+// of its 16 CTAs per (sequence, value head) reads all of M_j from L2 every step: 128 CTAs x 64
+// KiB = 8 MiB a step at 2/8, ~1.5 us of L2 bandwidth. Here
+//   - a CTA takes kScanMmaCols = 16 state columns (8 CTAs per (sequence, value head)): half the
+//     L2 traffic, and 16/16's 256 CTAs of 8 columns (two rounds) become 128 (one);
+//   - the products run transposed on the tensor cores, S_{j+1}^T = S_j^T M_j^T (+ R_j^T), as
+//     mma.sync m16n8k8 with tf32 operands and fp32 accumulators: m = the CTA's 16 columns,
+//     n = state rows (warp w owns rows 16 w .. 16 w + 15, two n8 tiles, over the whole
+//     reduction: no partial sums cross warps);
+//   - kTerms = 1: tf32 operands (hi hi); kTerms = 3: every operand split into tf32 hi + lo and
+//     three products (hi hi, hi lo, lo hi), fp32's accuracy. bench/scan_precision.py measures
+//     tf32 alone at 2e-5 to 8e-5 of the state for g = 0 at 32 to 64 pieces, 4.3e-4 at pieces of
+//     one chunk (maps near the identity), against the bound's 3e-3;
+//   - the reduction index is permuted (one bijection on A's columns and B's rows: the same sum
+//     in another order): fragment slot t of k8 step 2 kp + h is index 16 kp + 4 t + 2 h, slot
+//     t + 4 the next one, so a lane's B fragments (M_j's row, two adjacent floats) come from one
+//     16-byte load of M_j (row-major in shared memory, scan_swz: bit 4 of the index flipped on
+//     odd rows, which makes those loads and the copies free of bank conflicts), and S_j is kept
+//     in shared memory in fragment order (scan_frag): one 16-byte load per A fragment, one
+//     16-byte store per n8 tile of S_{j+1};
+//   - M_j is copied two steps ahead (kScanMmaBufs buffers) and S_j is double-buffered, so one
+//     barrier a step suffices.
+// A fixed order of products and sums: bitwise deterministic.
+constexpr int kScanMmaCols = 16;
+constexpr int kScanMmaBufs = 3;  // M_j being read, M_{j+1} landing, M_{j+2} being copied
+static_assert(kScanThreads / 32 * 16 == kDK, "a warp per 16 rows of S_{j+1}: two n8 tiles");
+constexpr int kScanFragFloats = kScanMmaCols * kDK;  // S_j in fragment order, one buffer
+constexpr size_t kScanMmaSmem = sizeof(float) * (kScanMmaBufs * kDK * kDK + 2 * kScanFragFloats);
+__device__ __forceinline__ int scan_swz(int r, int x) { return r * kDK + (x ^ ((r & 1) << 4)); }
+// S_j in fragment order: the 16-byte chunk of lane (g, t) for k8 step 2 kp + h holds
+// S[k][g], S[k][g + 8], S[k + 1][g], S[k + 1][g + 8] (k = 16 kp + 4 t + 2 h; columns of the
+// CTA's slice): the A fragment a0 .. a3. Chunks ordered (kp, h, g, t).
+__device__ __forceinline__ int scan_frag(int kp, int h, int g, int t) { return 4 * (((kp * 2 + h) * 8 + g) * 4 + t); }
+
+// x = hi + lo with hi a tf32 value (round to nearest) and lo = x - hi exactly in fp32, which the
+// tensor core reads as tf32 (its low 13 bits dropped: ~2^-22 of x).
+__device__ __forceinline__ uint32_t tf32_round(float x) {
+  uint32_t hi;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  return hi;
+}
+__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = tf32_round(x);
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// S_j's value as the products read it from shared memory: fp32 for three products (hi and lo
+// are taken there), else rounded to tf32 once where it is written.
+template <int kTerms>
+__device__ __forceinline__ float scan_mma_image(float x) {
+  if constexpr (kTerms == 1) return __uint_as_float(tf32_round(x));
+  return x;
+}
+
+// One step's products for warp w, lane 4 g + t: acc[n] = (S_j^T M_j^T)[columns g, g + 8 of the
+// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. sM: M_j (scan_swz), sF:
+// S_j (scan_frag). Two accumulators per tile (h = 0, 1) halve the dependent mma chain.
+template <int kTerms>
+__device__ __forceinline__ void scan_mma_products(const float* sM, const float* sF, int warp, int g, int t,
+                                                  float (&acc)[2][4]) {
+  float part[2][2][4] = {};
+  CUTE_UNROLL
+  for (int kp = 0; kp < kDK / 16; ++kp) {
+    float4 mv[2];  // M_j[16 w + 8 n + g][16 kp + 4 t .. + 3]
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) mv[n] = *reinterpret_cast<const float4*>(sM + scan_swz(16 * warp + 8 * n + g, 16 * kp + 4 * t));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float4 sv = *reinterpret_cast<const float4*>(sF + scan_frag(kp, h, g, t));
+      const float a[4] = {sv.x, sv.y, sv.z, sv.w};
+      uint32_t ah[4], al[4];
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kTerms == 3) tf32_split(a[e], ah[e], al[e]);
+        else ah[e] = __float_as_uint(a[e]);  // rounded where it was written
+      }
+      CUTE_UNROLL
+      for (int n = 0; n < 2; ++n) {
+        const float b[2] = {h ? mv[n].z : mv[n].x, h ? mv[n].w : mv[n].y};
+        uint32_t bh[2], bl[2];
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          if constexpr (kTerms == 3) tf32_split(b[e], bh[e], bl[e]);
+          else bh[e] = tf32_round(b[e]);
+        }
+        if constexpr (kTerms == 3) {
+          mma_tf32(part[h][n], al, bh);
+          mma_tf32(part[h][n], ah, bl);
+        }
+        mma_tf32(part[h][n], ah, bh);
+      }
+    }
+  }
+  CUTE_UNROLL
+  for (int n = 0; n < 2; ++n)
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) acc[n][e] = part[0][n][e] + part[1][n][e];
+}
+
+template <int kTerms>
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_mma(const __grid_constant__ RecParams p) {
+  static_assert(kTerms == 1 || kTerms == 3, "one or three tf32 products");
+  extern __shared__ __align__(16) float scan_smem[];
+  float* sM = scan_smem;                             // [kScanMmaBufs][kDK * kDK]: M_j in buffer j % kScanMmaBufs
+  float* sF = scan_smem + kScanMmaBufs * kDK * kDK;  // [2][kScanFragFloats]: S_j in buffer j & 1
+  __shared__ int s_warm;
+  ScanCta sc;
+  if (!scan_cta(p, &s_warm, sc, kScanMmaCols)) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
+  auto copy_m = [&](int j) {
+    float* dst = sM + (j % kScanMmaBufs) * kDK * kDK;
+    scan_copy_m(map_of(j), [&](int row, int col) { return dst + scan_swz(row, col); });
+  };
+  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
+  // This lane's places of S (accumulator layout): rows 16 w + 8 n + 2 t + e (e = 0, 1), columns
+  // g and g + 8 of the slice. Element q of a tile: row + (q & 1), column g + 8 (q >> 1).
+  const int g = lane / 4, t = lane % 4;
+  auto at = [&](int j, int n, int q) {  // R_j's element (map row-major, kMapCols a row)
+    return map_of(j) + (16 * warp + 8 * n + 2 * t + (q & 1)) * kMapCols + sc.c0 + g + 8 * (q >> 1);
+  };
+  // A tile of S into fragment order: rows 16 w + 8 n + 2 t (+ 1) are index 16 kp + 4 t' + 2 h + e
+  // with kp = w, t' = 2 n + t / 2, h = t & 1: one chunk, in the order (e, column half).
+  auto put_s = [&](float* frag, int n, const float (&v)[4]) {
+    const float4 c = make_float4(scan_mma_image<kTerms>(v[0]), scan_mma_image<kTerms>(v[2]), scan_mma_image<kTerms>(v[1]),
+                                 scan_mma_image<kTerms>(v[3]));
+    *reinterpret_cast<float4*>(frag + scan_frag(warp, t & 1, g, 2 * n + t / 2)) = c;
+  };
+  copy_m(1);
+  commit();
+  if (sc.np > 3) copy_m(2);
+  commit();  // (one group per step from here on, empty when nothing is left to copy)
+  float rc[2][4];  // R_j at this lane's places
+  CUTE_UNROLL
+  for (int n = 0; n < 2; ++n) {
+    float s1[4];
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) s1[q] = *at(0, n, q), rc[n][q] = *at(1, n, q);
+    put_s(sF + kScanFragFloats, n, s1);  // S_1 = R_0 (step j reads buffer j & 1)
+  }
+  for (int j = 1; j + 1 < sc.np; ++j) {
+    float rn[2][4];
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n)
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) rn[n][q] = j + 2 < sc.np ? *at(j + 1, n, q) : rc[n][q];  // off the chain
+    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
+    // Everyone's copies of M_j have landed and S_j is in its buffer; every read of step j - 1
+    // (M_{j-1}'s buffer, S_{j-1}'s) is done, so those buffers take M_{j+2} and S_{j+1}.
+    __syncthreads();
+    if (j + 2 < sc.np - 1) copy_m(j + 2);
+    commit();
+    float acc[2][4];
+    scan_mma_products<kTerms>(sM + (j % kScanMmaBufs) * kDK * kDK, sF + (j & 1) * kScanFragFloats, warp, g, t, acc);
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) {
+      float v[4];
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        v[q] = acc[n][q] + rc[n][q];
+        *at(j, n, q) = v[q];  // S_{j+1} in place of R_j
+        rc[n][q] = rn[n][q];
+      }
+      put_s(sF + ((j + 1) & 1) * kScanFragFloats, n, v);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+#endif  // QLA_SM90_TEST_HOOKS
 
 }  // namespace
 }  // namespace sm90
