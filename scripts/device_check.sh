@@ -282,7 +282,8 @@ if want stalls; then
   # Where the loaded chunk step and the scan's step go (issue 12's open question, docs/design.md
   # split-9): ncu's warp-state, scheduler and memory sections for one launch of the fused
   # recurrence at 16/32 8192x4 (bench row 1, V tile 128, every SM busy) and at 2/8 1x32768's
-  # pass 1 (row 2), and for the scan of row 2. Full reports in $LOGS/stalls_*.txt
+  # pass 1 (row 2), and for the scan of row 2 (the FMA scan and split-11's tensor-core one); the
+  # memory lines (DRAM and L2) say how far the loaded step is from the bytes. Full reports in $LOGS/stalls_*.txt
   # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 20 s.
   b=.ab/fwd_new
   secs=(--section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats)
@@ -290,12 +291,14 @@ if want stalls; then
     local tag=$1 k=$2 skip=$3 row=$4; shift 4
     env X=1 "$@" ncu --clock-control none "${secs[@]}" -k "regex:$k" --launch-skip "$skip" --launch-count 1 $b --profile "$row" \
       > "$LOGS/stalls_$tag.txt" 2>&1
-    echo "== $tag"; grep -E "Stall|Issued|Eligible|Active Warps|Duration|L1/TEX Hit|Mem Busy|Registers" "$LOGS/stalls_$tag.txt" | head -24
+    echo "== $tag"; grep -E "Stall|Issued|Eligible|Active Warps|Duration|L1/TEX Hit|L2 Hit|Mem Busy|Memory Throughput|DRAM Throughput|Max Bandwidth|Registers" \
+      "$LOGS/stalls_$tag.txt" | head -28
   }
   {
     run_ncu k2_16_32_8192x4 gdn_fwd_chunks 0 1
     run_ncu k2_pass1_2_8_1x32768 gdn_fwd_chunks 1 2
     run_ncu scan_2_8_1x32768 gdn_fwd_scan 0 2
+    run_ncu scan_mma1_2_8_1x32768 gdn_fwd_scan 0 2 QLA_TEST_SCAN_MMA=1  # split-11
   } 2>&1 | tee "$LOGS/stalls.log"
 fi
 snap
