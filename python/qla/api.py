@@ -1,9 +1,10 @@
 """Public API: FLA-compatible ``chunk_gated_delta_rule`` and the low-level fwd/bwd."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
+import math
+import numbers
 import warnings
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -184,9 +185,13 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
 def _resolve_scale(scale, K: int) -> float:
     if scale is None:
         return K ** -0.5
-    if isinstance(scale, torch.Tensor):
-        raise TypeError("scale: expected a Python float or None, got a torch.Tensor")
-    return float(scale)
+    if type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        kind = "a torch.Tensor" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"scale: expected a real number or None, got {kind}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    return scale
 
 
 def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):

@@ -1,5 +1,6 @@
 #include "core/validate.h"
 
+#include <cmath>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -115,6 +116,7 @@ Status check_common(const P& p) {
     return invalid("device: expected kCpu or kCuda, got " + std::to_string(static_cast<int>(p.device)));
   if (p.state_layout != StateLayout::kKV && p.state_layout != StateLayout::kVK)
     return invalid("state_layout: expected kKV or kVK, got " + std::to_string(static_cast<int>(p.state_layout)));
+  if (!std::isfinite(p.scale)) return invalid("scale: expected a finite number, got " + std::to_string(p.scale));
   const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
   QLA_TRY(check_ptr("q", p.q.data, has_tokens));
   QLA_TRY(check_ptr("k", p.k.data, has_tokens));

@@ -1,5 +1,6 @@
 // Bad arguments come back as a Status naming the argument; nothing crashes.
 #include <algorithm>
+#include <cmath>
 #include <gtest/gtest.h>
 
 #include "problem.h"
@@ -59,6 +60,12 @@ TEST(Validation, ForwardRejectsBadArguments) {
   f.split = qla::SplitMode::kOn;
   f.split_chunks = -2;
   expect_error(f, "split_chunks: expected >= 0");
+  f = good;
+  f.scale = std::nan("");
+  expect_error(f, "scale: expected a finite number, got nan");
+  f = good;
+  f.scale = -HUGE_VAL;
+  expect_error(f, "scale: expected a finite number, got -inf");
   f = good;  // the CPU backend accepts and ignores splitting
   f.split = qla::SplitMode::kOn;
   f.split_chunks = 1;

@@ -136,6 +136,21 @@ def test_unknown_keyword_and_gate_arguments():
         _call(transpose_state_layout=True, state_v_first=True)
 
 
+def test_scale_argument():
+    with pytest.raises(TypeError, match=r"scale: expected a real number or None, got str"):
+        _call(scale="0.1")
+    with pytest.raises(TypeError, match=r"scale: expected a real number or None, got a torch.Tensor"):
+        _call(scale=torch.tensor(0.1))
+    with pytest.raises(TypeError, match=r"scale: expected a real number or None, got bool"):
+        _call(scale=True)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=r"scale: expected a finite number, got"):
+            _call(scale=bad)
+    o_int, _ = _call(scale=1)  # an int is a real number
+    o_float, _ = _call(scale=1.0)
+    assert torch.equal(o_int, o_float)
+
+
 def test_split_arguments():
     with pytest.raises(TypeError, match=r"split: expected None \(automatic\), True or False, got str"):
         _call(split="yes")
