@@ -128,6 +128,8 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
         raise ValueError(f"q, v: expected at least one q/k head and one value head, got H={H}, HV={HV}")
     if HV % H != 0:
         raise ValueError(f"v: expected the number of value heads ({HV}) to be a multiple of the q/k heads ({H})")
+    if K == 0 or v.shape[3] == 0:
+        raise ValueError(f"q, v: expected head dims K and V of at least 1, got K={K}, V={v.shape[3]}")
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, HV):
             raise ValueError(f"{name}: expected shape [{B}, {T}, {HV}] ([B, T, HV]), got {_fmt_shape(t)}")

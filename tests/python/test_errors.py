@@ -25,6 +25,8 @@ BAD_TENSOR_CASES = [
     (dict(v=torch.randn(2, 10, 4, 8)), ValueError, r"v: expected batch and length \[1, 10"),
     (dict(v=torch.randn(1, 10, 3, 8)), ValueError, r"multiple of the q/k heads"),
     (dict(q=torch.randn(1, 10, 0, 8), k=torch.randn(1, 10, 0, 8)), ValueError, r"at least one q/k head"),
+    (dict(q=torch.randn(1, 10, 2, 0), k=torch.randn(1, 10, 2, 0)), ValueError, r"head dims K and V of at least 1, got K=0"),
+    (dict(v=torch.randn(1, 10, 4, 0)), ValueError, r"head dims K and V of at least 1, got K=8, V=0"),
     (dict(beta=torch.rand(1, 10, 2)), ValueError, r"beta: expected shape \[1, 10, 4\]"),
     (dict(q=torch.randn(1, 10, 2, 8).int()), TypeError, r"q: expected dtype in"),
     (dict(k=torch.randn(1, 10, 2, 8).double()), TypeError, r"k: expected dtype torch.float32"),
