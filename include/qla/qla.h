@@ -190,7 +190,10 @@ struct GdnBackwardParams {
   int num_threads = 0;
 };
 
-// Checks every argument and returns the workspace the call needs (0 on the CPU backend).
+// Checks every argument and returns the workspace the call needs (0 on the CPU backend). The
+// size depends on the shapes, dtypes, options, the device and, when cu_seqlens_host is given,
+// on its values (the CUDA forward plans its path and pieces from the true lengths): query with
+// the params of the call itself. A call whose workspace_bytes is smaller returns an error.
 Status gdn_forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
 Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
 

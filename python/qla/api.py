@@ -79,7 +79,7 @@ def _quick_check(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_
         if cu_seqlens_cpu is not None or cpu or type(cu_seqlens) is not T_ or B != 1:
             return None
         cs = cu_seqlens.shape
-        if (len(cs) != 1 or cs[0] < 1 or cu_seqlens.dtype not in _INDEX_DTYPE_SET or cu_seqlens.stride(0) != 1
+        if (len(cs) != 1 or cs[0] < 2 or cu_seqlens.dtype not in _INDEX_DTYPE_SET or cu_seqlens.stride(0) != 1
                 or not _same_place(cu_seqlens, cpu, index)):
             return None
         N = cs[0] - 1
@@ -146,6 +146,8 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
             raise ValueError(f"cu_seqlens: expected batch size 1 when cu_seqlens is given, got q with B={B}")
         if cu_seqlens.shape[0] < 1:
             raise ValueError("cu_seqlens: expected at least one entry (0), got an empty tensor")
+        if cu_seqlens.shape[0] == 1 and T > 0:  # [0] alone cannot end at T: known without the values
+            raise ValueError(f"cu_seqlens: expected at least two entries (0, ..., T={T}) for {T} tokens, got one")
         if cu_seqlens.stride(0) != 1:
             raise ValueError("cu_seqlens: expected a contiguous tensor")
         host = cu_seqlens_cpu

@@ -66,6 +66,12 @@ Status check_cu_seqlens(const TensorRef& cu, int64_t num_seqs, const int64_t* ho
     return invalid(os.str());
   }
   if (num_seqs < 0) return invalid("cu_seqlens: expected num_seqs >= 0, got " + std::to_string(num_seqs));
+  if (num_seqs == 0 && s.seqlen > 0) {  // [0] alone cannot end at T: known from the shapes, device values or not
+    std::ostringstream os;
+    os << "cu_seqlens: expected at least two entries (0, ..., T=" << s.seqlen << ") for " << s.seqlen
+       << " tokens, got num_seqs=0";
+    return invalid(os.str());
+  }
   std::vector<int64_t> vals;
   if (host) {
     vals.assign(host, host + num_seqs + 1);

@@ -111,7 +111,8 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
-// the params alone (no data), so the workspace query agrees with the launch.
+// the params and the host lengths (cu_seqlens_host) when given, never on device data, so a
+// workspace query with the same params agrees with the launch.
 constexpr int64_t kFusedMinPairs = 20;
 constexpr int64_t kFusedMinChunks = 64;
 enum class Path { kTwoPass, kFused, kFusedIfSplit };
@@ -127,8 +128,8 @@ Path path_rule(const GdnForwardParams& p) {
   return Path::kTwoPass;
 }
 
-// Sequence splitting (split.cuh, docs/split.md), decided from the shapes alone (so the workspace
-// query agrees with the launch): the piece plan and a bound on the pieces of the whole call
+// Sequence splitting (split.cuh, docs/split.md), decided from the params and the host lengths
+// when given (so a workspace query with the same params agrees with the launch): the piece plan and a bound on the pieces of the whole call
 // (0: unsplit), by the cost model of split_plan.cuh. Without host lengths the plan is made for
 // sequences of the mean length and refined on the device (gdn_chunk_table, refine_plan).
 constexpr int kInvariantPieceChunks = 64;  // batch_invariant's pieces: 4096 tokens
@@ -491,6 +492,10 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_overlap >= 0) overlap = g_test_overlap && rec_ctas < dinfo->sms;
 #endif
+  // No chunks (T = 0 without cu_seqlens): no prep either, so a programmatic launch would make the
+  // recurrence a dependent of the chunk table, which allows it to start at once (it reads the
+  // table before it is written); it follows the table in stream order instead.
+  if (mc == 0) overlap = false;
   int* ready = reinterpret_cast<int*>(ws + wl.ready);
   const int64_t nregions = mc * HV;
 

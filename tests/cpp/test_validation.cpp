@@ -60,6 +60,9 @@ TEST(Validation, ForwardRejectsBadArguments) {
   f.split = qla::SplitMode::kOn;
   f.split_chunks = -2;
   expect_error(f, "split_chunks: expected >= 0");
+  f = good;  // no sequences but 20 tokens: malformed whatever the values (device cu_seqlens too)
+  f.num_seqs = 0;
+  expect_error(f, "cu_seqlens: expected at least two entries (0, ..., T=20) for 20 tokens, got num_seqs=0");
   f = good;
   f.scale = std::nan("");
   expect_error(f, "scale: expected a finite number, got nan");

@@ -91,6 +91,7 @@ def test_quick_check_agrees_on_valid_inputs(variant):
     (torch.tensor([1, 10], dtype=torch.int32), r"first entry to be 0, got 1"),
     (torch.tensor([0, 6, 4, 10], dtype=torch.int32), r"non-decreasing values, got 6 then 4"),
     (torch.tensor([0, 4, 9], dtype=torch.int64), r"last entry to equal T=10"),
+    (torch.tensor([0], dtype=torch.int32), r"cu_seqlens: expected at least two entries \(0, ..., T=10\) for 10 tokens, got one"),
 ])
 def test_bad_cu_seqlens(cu, msg):
     n = cu.numel() - 1 if cu.dim() == 1 else 1
