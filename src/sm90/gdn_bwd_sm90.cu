@@ -83,6 +83,8 @@ Status bwd_check_supported(const GdnBackwardParams& p) {
   // Flat grids of N * HV * 4 CTAs (sequential passes) and of chunks * HV regions.
   if (num_seqs(p) * p.shape.num_v_heads > 2147483647LL / 4 || max_chunks(p) * p.shape.num_v_heads > 2147483647LL)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
+  if (p.shape.seqlen > 2147483647LL)  // token coordinates (chunk places, TMA boxes) are ints
+    return ns("T: at most 2^31 - 1 tokens per batch row (got " + std::to_string(p.shape.seqlen) + ")");
   DeviceInfo* dinfo = nullptr;
   Status ds = device_info(&dinfo);
   if (!ds.ok()) return ds;

@@ -625,6 +625,9 @@ Status check_supported(const GdnForwardParams& p) {
   if (num_seqs(p) * p.shape.num_v_heads > 2147483647LL / 4 || max_chunks(p) > 2147483647LL / 2 ||
       max_chunks(p) * p.shape.num_v_heads > 2147483647LL)
     return ns("too many sequences, chunks or value heads for the sm90 grid");
+  // Token coordinates (chunk places, TMA boxes) are ints.
+  if (p.shape.seqlen > 2147483647LL)
+    return ns("T: at most 2^31 - 1 tokens per batch row (got " + std::to_string(p.shape.seqlen) + ")");
   // The chunk places (write_chunk_places) hold a batch row in 24 bits; varlen calls use row 0.
   if (!p.cu_seqlens.data && p.shape.batch >= kMaxPlaceBatch)
     return ns("batch: at most " + std::to_string(kMaxPlaceBatch - 1) + " rows without cu_seqlens (got " +

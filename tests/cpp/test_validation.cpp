@@ -147,6 +147,13 @@ TEST(Validation, CudaForwardRefusesBatchRowsPastItsPlaceField) {
   f.shape.batch = B - 1;  // one row fewer passes this check (and fails later only for want of a GPU)
   const qla::Status t = qla::gdn_forward_workspace_size(f, &bytes);
   EXPECT_EQ(t.message().find("batch: at most"), std::string::npos) << t.message();
+  // 2^31 tokens in a row: token coordinates are ints in the sm90 kernels, refused by name.
+  f.shape.batch = 1;
+  f.shape.seqlen = int64_t(1) << 31;
+  const qla::Status u = qla::gdn_forward_workspace_size(f, &bytes);
+  EXPECT_TRUE(u.message().find("T: at most 2^31 - 1 tokens per batch row") != std::string::npos ||
+              u.message().find("no CUDA backend") != std::string::npos)
+      << u.message();
 }
 
 TEST(Validation, CudaBackwardRefusesWhatTheSm90BackendCannotRun) {
