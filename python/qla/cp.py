@@ -97,6 +97,8 @@ def build_cp_context(cu_seqlens, group=None) -> CPContext:
                          f"got {bounds[:8]}{'...' if len(bounds) > 8 else ''}")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: expected a process group that holds this process, got one without it")
     T = bounds[-1]
     if T == 0 or T % world != 0:
         raise ValueError(f"cu_seqlens: expected the total length to be a positive multiple of the group size "
@@ -236,6 +238,10 @@ def cp_forward(q, k, v, g, beta, scale, initial_state, state_v_first, ctx: CPCon
     h0 = initial_state
     if h0 is not None and state_v_first:
         h0 = h0.transpose(-1, -2).contiguous()
+    if h0 is not None and q.dtype == torch.float64:
+        # The states the ranks exchange and fold in are fp64 with fp64 inputs: an fp32 h0 would
+        # round them (autograd casts its gradient back to fp32).
+        h0 = h0.to(torch.float64)
     o, ht = _CPFunction.apply(q, k, v, g, beta, h0, scale, ctx)
     if state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
