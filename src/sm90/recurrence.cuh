@@ -38,8 +38,9 @@ struct RecParams {
   const int* pieces;  // the piece table (piece_table_ints)
   PiecePlan plan;
   const int* plan_dev;  // non-null: the plan as gdn_chunk_table refined it (device-only lengths), for plan
-  float* maps;        // per (piece, value head): [K][V + K] fp32, the piece's end state from zero | its transfer map
-  int pass;           // 0: transfer maps, first pieces and warm-up pieces; 1: the other pieces
+  float* maps;        // per (piece followed by another of its sequence, value head): [K][V + K] fp32, the piece's
+                      // end state from zero | its transfer map (split.cuh, map_at)
+  int pass;           // 0: the exact path's piece 0 and transfer maps (no o); 1: every piece with o (split.cuh)
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
   float warm_decay;   // warm-up when the chunks before a boundary sum g to at most this (log) ...
   int warm_max;       // ... within this many chunks (0: never; at most kWarmMaxChunks, split.cuh)

@@ -8,10 +8,11 @@
 //            most warm_decay, so the state entering a piece is the last of those chunks rerun
 //            from zero (the dropped part is scaled by e^(sum g) <= e^warm_decay); every piece
 //            runs in pass 1, independently (pass 0 holds the exact path's larger share).
-//   exact:   pass 0 runs piece 0 from h0 (with o) and, for the middle pieces, R (the V columns,
-//            from zero) and M (K more columns: from the identity with v = 0) into `maps`; the
-//            scan turns R into the state entering the next piece (S_{j+1} = M_j S_j + R_j, fp32,
-//            in place); pass 1 runs pieces 1.. from those states (with o).
+//   exact:   pass 0 (the lean kernel, no o) runs piece 0 from h0 and, for the middle pieces, R
+//            (the V columns, from zero) and M (K more columns: from the identity with v = 0)
+//            into `maps`; the scan turns R into the state entering the next piece (S_{j+1} =
+//            M_j S_j + R_j, fp32, in place); pass 1 runs piece 0 again from h0 and pieces 1..
+//            from those states, all with o (RecParams::lean_maps).
 // Heads with g = 0 never warm up. The plan (piece lengths) is a function of each sequence's
 // chunk count (piece_split), and the path of its gates, so a sequence's result does not
 // depend on the rest of the batch for a fixed plan.
