@@ -34,12 +34,6 @@ def _desc(t: Optional[torch.Tensor]) -> tuple:
     return (t.data_ptr(), _DTYPE_CODE[t.dtype], st[0], st[1], st[2] if len(st) == 4 else 0)
 
 
-def _device_args(t: torch.Tensor):
-    if t.device.type == "cuda":
-        return 1, torch._C._cuda_getCurrentRawStream(t.device.index)
-    return 0, 0
-
-
 def state_dtype(q: torch.Tensor) -> torch.dtype:
     """States (final state, dh0) are fp32, fp64 for fp64 inputs."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -54,13 +48,21 @@ def state_shape(q, v, n, state_v_first):
     return (n, v.shape[2], V, K) if state_v_first else (n, v.shape[2], K, V)
 
 
-_WORKSPACE_BYTES: dict = {}  # workspace size depends on shapes only: ask the core once per shape
+# The workspace size depends on the shapes, whether cu_seqlens is given (the chunk count), the
+# dtype, the device and the forward's options, and on the host lengths when those are given
+# (then it is asked every call): the core is asked once per key.
+_WORKSPACE_BYTES: dict = {}
 
 
 def _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra):
     """One CUDA call of the core (forward or backward): its workspace (size cached per key;
-    key None: asked every call), then the launch on the current stream (extra: the forward's
-    trailing options, which also choose its path and so its workspace)."""
+    key None: asked every call), then the launch on the current stream of the tensors' device
+    (extra: the forward's trailing options, which also choose its path and so its workspace).
+    The core works on the current CUDA device, so a call on tensors of another device makes
+    theirs current for its duration."""
+    if dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev.index):
+            return _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra)
     ws_bytes = None if key is None else _WORKSPACE_BYTES.get(key)
     if ws_bytes is None:
         ws_bytes = query(shape, *descs, scale, layout, 1, *extra)
@@ -109,8 +111,8 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
                    batch_invariant, 0)
         return o, ht
     if cu_seqlens_host is None:
-        key, host_ptr = ("fwd", shape, n, q.dtype, dev.index, qk_normalized, split_mode, split_chunks,
-                         batch_invariant), 0
+        key, host_ptr = ("fwd", shape, n, cu_seqlens is None, q.dtype, dev.index, qk_normalized, split_mode,
+                         split_chunks, batch_invariant), 0
     else:
         key, host_ptr = None, cu_seqlens_host.data_ptr()
     _run_cuda(_C.forward, _C.forward_workspace_size, key, shape, descs, scale, layout, dev, qk_normalized, split_mode,
@@ -200,8 +202,8 @@ def gdn_bwd(
     if dev.type != "cuda":
         _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
         return dq, dk, dv, dg, dbeta, dh0
-    _run_cuda(_C.backward, _C.backward_workspace_size, ("bwd", shape, n, q.dtype, dev.index), shape, descs, scale,
-              layout, dev)
+    _run_cuda(_C.backward, _C.backward_workspace_size, ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index), shape,
+              descs, scale, layout, dev)
     return dq, dk, dv, dg, dbeta, dh0
 
 

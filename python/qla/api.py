@@ -153,7 +153,9 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
         host = cu_seqlens_cpu
         if host is None and cu_seqlens.device.type == "cpu":
             host = cu_seqlens
-        if host is not None:  # value checks need host values: free on CPU, never a device sync
+        # Value checks need host values: free on CPU, never a device sync. Under torch.compile
+        # they would be data-dependent guards; the core checks the same host values then.
+        if host is not None and not torch.compiler.is_compiling():
             vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
             if len(vals) != cu_seqlens.shape[0]:  # the core reads N + 1 host values
                 raise ValueError(f"cu_seqlens_cpu: expected {cu_seqlens.shape[0]} entries (those of cu_seqlens), "
@@ -198,15 +200,19 @@ def _resolve_scale(scale, K: int) -> float:
     return scale
 
 
-def _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    o = q.new_empty((B, T, HV, V))
+def _empty_outputs(q, k, v, g, beta, N, output_final_state, initial_state, state_v_first):
+    """A call without tokens: o has no elements; the final state is h0 (zeros without one), in
+    the dtype a call with tokens gives. Both stay in autograd's graph like theirs: o from every
+    token input (zero gradients), the final state from h0."""
+    o = v.new_zeros(v.shape)  # [B, T, HV, V] in q's dtype
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        o = o + (q.sum() + k.sum() + v.sum() + g.sum() + beta.sum()).to(o.dtype) * 0
     if not output_final_state:
         return o, None
+    sdt = _ops.state_dtype(q)
     if initial_state is not None:
-        return o, initial_state.clone()
-    return o, q.new_zeros(_ops.state_shape(q, v, N, state_v_first), dtype=_ops.state_dtype(q))
+        return o, initial_state.to(sdt, copy=True)
+    return o, q.new_zeros(_ops.state_shape(q, v, N, state_v_first), dtype=sdt)
 
 
 def _check_bool(name: str, x) -> bool:
@@ -269,7 +275,7 @@ def chunk_gated_delta_rule_fwd(
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
-        return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
+        return _empty_outputs(q, k, v, g, beta, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if torch.compiler.is_compiling() else _ops.forward_impl
     with torch.no_grad():
         o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first, False,
@@ -314,7 +320,8 @@ def chunk_gated_delta_rule_bwd(
             raise ValueError(f"dht: expected a tensor on {q.device}, got one on {dht.device}")
     scale = _resolve_scale(scale, K)
     if q.numel() == 0 or v.numel() == 0:
-        dh0 = dht.clone() if dht is not None else q.new_zeros(state_shape, dtype=_ops.state_dtype(q))
+        sdt = _ops.state_dtype(q)
+        dh0 = dht.to(sdt, copy=True) if dht is not None else q.new_zeros(state_shape, dtype=sdt)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0)
     return _ops.gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
@@ -425,6 +432,13 @@ def chunk_gated_delta_rule(
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
     if kwargs:
         raise TypeError(f"chunk_gated_delta_rule: unexpected keyword arguments {sorted(kwargs)}")
+    # FLA's flags take any truthy value, as there; bool() keeps the core's arguments typed.
+    use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
+    allow_neg_eigval, use_gate_in_kernel, state_v_first = bool(allow_neg_eigval), bool(use_gate_in_kernel), bool(state_v_first)
+    if use_gate_in_kernel or use_beta_sigmoid_in_kernel or use_qk_l2norm_in_kernel:
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):  # before the preprocessing uses them
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: expected use_beta_sigmoid_in_kernel=True (beta becomes 2 * sigmoid(beta))")
     if use_gate_in_kernel:
@@ -435,6 +449,8 @@ def chunk_gated_delta_rule(
             if t is not None and (not isinstance(t, torch.Tensor) or t.numel() != HV):
                 got = _fmt_shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{name}: expected a tensor with HV={HV} elements, got {got}")
+            if t is not None and t.device != g.device:
+                raise ValueError(f"{name}: expected a tensor on {g.device} (the device of g), got one on {t.device}")
         gate_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         gx = g.to(gate_dtype)
         if dt_bias is not None:
@@ -452,7 +468,7 @@ def chunk_gated_delta_rule(
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:
-        return _empty_outputs(q, v, N, output_final_state, initial_state, state_v_first)
+        return _empty_outputs(q, k, v, g, beta, N, output_final_state, initial_state, state_v_first)
     fwd = _ops.gdn_fwd if _ops.needs_dispatch(q, k, v, g, beta, initial_state) else _ops.forward_impl
     o, ht = fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
                 use_qk_l2norm_in_kernel, split_mode, split_chunks, batch_invariant,

@@ -51,3 +51,18 @@ def test_opcheck_custom_ops():
     detached = [a.detach() for a in args]
     torch.library.opcheck(_ops.gdn_bwd, (*detached, 0.5, h0.detach(), None, do, dht, False))
     torch.library.opcheck(_ops.gdn_bwd, (*detached, 0.5, None, None, do, None, False))
+
+
+def test_torch_compile_fullgraph_varlen_with_host_boundaries():
+    # Host cu_seqlens (a CPU tensor here, cu_seqlens_cpu on CUDA): the API's value checks would be
+    # data-dependent guards under compile, so the core checks those host values then.
+    x = make_inputs(1, 40, 1, 2, 8, 8, torch.float32, n_states=3)
+    cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, g, b, h0: qla.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0,
+                                                                          output_final_state=True, cu_seqlens=cu),
+                      fullgraph=True, backend="aot_eager")
+    o, ht = f(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    ro, rht = qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                         output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(o, ro) and torch.equal(ht, rht)

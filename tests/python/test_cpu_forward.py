@@ -129,6 +129,21 @@ def test_empty_sequence_length_returns_empty_outputs():
     assert ht.shape == (1, 4, 8, 8) and not ht.any()
 
 
+def test_empty_call_is_differentiable_and_keeps_the_state_dtype():
+    # No tokens: o and the final state stay in autograd's graph (zero gradients for every token
+    # input, dh0 = dht), and the final state takes the dtype a call with tokens gives.
+    x = make_inputs(1, 0, 2, 4, 8, 8, torch.float64)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    h0 = x["initial_state"].float().requires_grad_()
+    o, ht = qla.chunk_gated_delta_rule(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=h0,
+                                       output_final_state=True)
+    assert o.shape == (1, 0, 4, 8) and ht.dtype == torch.float64
+    (o.sum() + (ht * 3).sum()).backward()
+    for n, t in leaves.items():
+        assert t.grad is not None and t.grad.shape == t.shape, n
+    assert h0.grad.dtype == torch.float32 and torch.equal(h0.grad, torch.full_like(h0, 3.0))
+
+
 def test_preprocessing_options_match_manual_preprocessing():
     B, T, H, HV, K, V = 1, 30, 2, 4, 8, 8
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, HV, V)

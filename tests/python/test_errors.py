@@ -139,6 +139,22 @@ def test_unknown_keyword_and_gate_arguments():
         _call(transpose_state_layout=True, state_v_first=True)
 
 
+def test_preprocessing_arguments_are_checked_before_use():
+    x = _args()
+    with pytest.raises(TypeError, match=r"g: expected a torch.Tensor, got list"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], [0.0], x["beta"], use_gate_in_kernel=True,
+                                   A_log=torch.zeros(4))
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got NoneType"):
+        qla.chunk_gated_delta_rule(None, x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    with pytest.raises(ValueError, match=r"A_log: expected a tensor on cpu \(the device of g\), got one on meta"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True,
+                                   A_log=torch.zeros(4, device="meta"))
+    # FLA's flags take truthy values, as there
+    o1, _ = qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=1)
+    o2, _ = qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True)
+    assert torch.equal(o1, o2)
+
+
 def test_scale_argument():
     with pytest.raises(TypeError, match=r"scale: expected a real number or None, got str"):
         _call(scale="0.1")
