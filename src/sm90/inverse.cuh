@@ -22,14 +22,15 @@ namespace {
 //   kInvEgk   e^(Gamma - gamma_i), fp32 x 64 (0 on padding)
 //   kInvEG    e^Gamma, fp32
 //   kInvTuExp et, int32, and kInvKn, fp32 (below)
-//   kInvKexp  ek_i, int8 x 64: 2^ek_i |k_i| in [2^-1/2, 2^1/2) (0 for a zero key and on padding)
+//   kInvKexp  ek_i, int8 x 64: 2^ek_i |k_i| in [2^-1/2, 2^1/2) (0 for a zero key; rows past the
+//             chunk's end, the next sequence's keys, have theirs too, so their fp16 copies stay finite)
 //   kInvQexp  eq_i, int8 x 64: the same for q_i (within a few percent: bf16 sums)
 // Keys far from unit norm (use_qk_l2norm_in_kernel=False) would leave fp16's range or
 // precision in the fused recurrence, so its operands are scaled by exact powers of two per
 // token: K' = diag(2^ek) K, and the image holds Tu' = 2^et diag(2^-ek) Tu, with et chosen so
 // that max_i |beta_i| 2^(et - ek_i) (the diagonal's largest entry) lies in [1/2, 1); kn =
-// max(1, max_i 2^-ek_i) bounds the chunk's key norms (the recurrence's fp16 window). For
-// l2-normalised keys ek = 0, kn = 1 and et = 0 (while some beta >= 1/2).
+// max(1, max_i 2^-ek_i) over the chunk's own tokens bounds their key norms (the recurrence's
+// fp16 window). For l2-normalised keys ek = 0, kn = 1 and et = 0 (while some beta >= 1/2).
 constexpr uint32_t kInvImg = 0;
 constexpr uint32_t kInvGam = kImgTokTok * 2;
 constexpr uint32_t kInvEg = kInvGam + kC * 4;
@@ -220,8 +221,11 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
           k0 = b == warp ? ((g8 & 1) ? kk(8 * b + 1) : kk(8 * b)) : k0;
           k1 = b == warp ? ((g8 & 1) ? kk(8 * b + 7) : kk(8 * b + 6)) : k1;
         }
-        sKexp[r0] = r0 < len && k0 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k0) >> 1))) : 0;
-        sKexp[r1] = r1 < len && k1 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k1) >> 1))) : 0;
+        // Rows past the chunk's end (the next sequence's keys) get theirs too: the fused
+        // recurrence multiplies them by zeros (beta, the gates), which an fp16 copy of a bf16
+        // key of norm ~2^17 left unscaled would turn into NaN (0 x Inf); kn excludes them.
+        sKexp[r0] = k0 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k0) >> 1))) : 0;
+        sKexp[r1] = k1 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k1) >> 1))) : 0;
       }
     } else {
       CUTE_UNROLL
@@ -283,7 +287,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
     // -ek_i (two warps, read after the barrier below); the image's column factors beta_j 2^-ek_j.
     const int e = sKexp[tid];
     const uint32_t bm = __reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(sBeta[tid]) * pow2i(-e)));  // ints: same order
-    const int emin = __reduce_min_sync(0xffffffffu, e);
+    const int emin = __reduce_min_sync(0xffffffffu, tid < len ? e : 0);
     if (lane == 0) {
       sRed[warp] = bm;
       sRed[2 + warp] = static_cast<uint32_t>(emin + 64);

@@ -166,6 +166,21 @@ def test_queries_and_keys_far_from_unit_norm(dtype, lens, H, HV):
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+def test_next_sequence_keys_beyond_fp16_range():
+    # A sequence ending inside a chunk: the chunk's last rows are the next sequence's tokens,
+    # which the fused forward multiplies by zeros. Their bf16 keys of norm ~2^17 (elements past
+    # fp16's 65504) must be scaled like any key, or 0 x Inf makes the first sequence's state and
+    # last o rows NaN. 24 pairs (the fused forward); beta scaled down so the state stays bounded.
+    x = _inputs([10, 118, 40], 2, 24, "mild", seed=23)
+    k = x["k"].float()
+    k[:, 10:74] *= 2.0 ** 17
+    x["k"] = k.to(torch.bfloat16)
+    k2 = x["k"].float().pow(2).sum(-1).repeat_interleave(12, dim=2)
+    x["beta"] = x["beta"] / k2.clamp(min=1.0)
+    e_o, e_h = _check(x)
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
 def test_qk_l2norm_in_kernel_hint_path():
     # use_qk_l2norm_in_kernel=True normalises q, k and tells the core they are unit rows.
     x = _spread_norms(_inputs([1000, 24], 4, 16, "mild", seed=22), lo=-3.0, hi=3.0)
