@@ -24,12 +24,17 @@ _DTYPE_CODE = {
 _NONE = (0, 2, 0, 0, 0)
 
 
-def _desc(t: Optional[torch.Tensor]) -> tuple:
+def _desc(t: Optional[torch.Tensor], name: Optional[str] = None) -> tuple:
     """(data_ptr, dtype code, three leading strides) as the binding expects: 4-D tensors give
     the strides of their first three dimensions ((b, t, h) or (n, hv, row) for a state),
-    3-D [B, T, HV] tensors those of b and t (heads are the contiguous last dimension)."""
+    3-D [B, T, HV] tensors those of b and t (heads are the contiguous last dimension). An input
+    (named) is checked for a pending negation here, inside the ops (never traced), where the
+    tensors are real."""
     if t is None:
         return _NONE
+    if name is not None and t.is_neg():  # a view with torch's lazy negation (conj().imag, say): memory holds the other sign
+        raise ValueError(f"{name}: expected a tensor without a lazy negation, got one with torch's neg bit set "
+                         f"(call .resolve_neg() first)")
     st = t.stride()  # one call: each tensor attribute read costs ~0.1-0.5 us of host time
     return (t.data_ptr(), _DTYPE_CODE[t.dtype], st[0], st[1], st[2] if len(st) == 4 else 0)
 
@@ -103,8 +108,8 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
         else:
             ht = torch.empty(state_shape(q, v, n, state_v_first), dtype=sdt, device=dev)
     shape = (B, T, H, HV, K, V)
-    descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
-             _desc(o), _desc(ht))
+    descs = (_desc(q, "q"), _desc(k, "k"), _desc(v, "v"), _desc(g, "g"), _desc(beta, "beta"),
+             _desc(initial_state, "initial_state"), _cu_desc(cu_seqlens), n, _desc(o), _desc(ht))
     layout = 1 if state_v_first else 0
     if dev.type != "cuda":
         _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks,
@@ -195,8 +200,9 @@ def gdn_bwd(
     dbeta = torch.empty(beta.shape, dtype=beta.dtype, device=beta.device)
     dh0 = torch.empty(state_shape(q, v, n, state_v_first), dtype=state_dtype(q), device=q.device)
     shape = (B, T, H, HV, K, V)
-    descs = (_desc(q), _desc(k), _desc(v), _desc(g), _desc(beta), _desc(initial_state), _cu_desc(cu_seqlens), n,
-             _desc(do), _desc(dht), _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta), _desc(dh0))
+    descs = (_desc(q, "q"), _desc(k, "k"), _desc(v, "v"), _desc(g, "g"), _desc(beta, "beta"),
+             _desc(initial_state, "initial_state"), _cu_desc(cu_seqlens), n, _desc(do, "do"), _desc(dht, "dht"),
+             _desc(dq), _desc(dk), _desc(dv), _desc(dg), _desc(dbeta), _desc(dh0))
     layout = 1 if state_v_first else 0
     dev = q.device
     if dev.type != "cuda":

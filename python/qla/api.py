@@ -30,6 +30,7 @@ def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
         raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
 
 
+
 _TENSOR = torch.Tensor
 _QKV_DTYPE_SET = frozenset(_QKV_DTYPES)
 _GATE_DTYPE_SET = frozenset(_GATE_DTYPES)
@@ -134,7 +135,7 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
         if tuple(t.shape) != (B, T, HV):
             raise ValueError(f"{name}: expected shape [{B}, {T}, {HV}] ([B, T, HV]), got {_fmt_shape(t)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.numel() > 0 and t.stride(-1) != 1:
+        if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:  # (a dimension of one: any stride)
             raise ValueError(f"{name}: expected a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor):
@@ -183,7 +184,7 @@ def _check_inputs_full(q, k, v, g, beta, initial_state, cu_seqlens, state_v_firs
                 initial_state.dtype == torch.float64 and q.dtype == torch.float64):
             raise TypeError(
                 f"initial_state: expected dtype float32 (or float64 with float64 inputs), got {initial_state.dtype}")
-        if initial_state.numel() > 0 and initial_state.stride(-1) != 1:
+        if initial_state.numel() > 0 and initial_state.shape[-1] > 1 and initial_state.stride(-1) != 1:
             raise ValueError("initial_state: expected a contiguous last dimension (stride 1)")
     return N
 
@@ -194,7 +195,10 @@ def _resolve_scale(scale, K: int) -> float:
     if type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         kind = "a torch.Tensor" if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise TypeError(f"scale: expected a real number or None, got {kind}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:
+        raise ValueError("scale: expected a finite number, got one too large for a float") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
     return scale

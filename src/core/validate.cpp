@@ -123,6 +123,12 @@ Status check_common(const P& p) {
   if (p.state_layout != StateLayout::kKV && p.state_layout != StateLayout::kVK)
     return invalid("state_layout: expected kKV or kVK, got " + std::to_string(static_cast<int>(p.state_layout)));
   if (!std::isfinite(p.scale)) return invalid("scale: expected a finite number, got " + std::to_string(p.scale));
+  if (p.q.dtype != DType::kFloat64 && std::fabs(p.scale) > 3.4028234663852886e38) {  // FLT_MAX
+    std::ostringstream os;
+    os << "scale: expected |scale| <= 3.4e38 (fp32, the precision of the computation for " << dt(p.q.dtype)
+       << " inputs), got " << p.scale;
+    return invalid(os.str());
+  }
   const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
   QLA_TRY(check_ptr("q", p.q.data, has_tokens));
   QLA_TRY(check_ptr("k", p.k.data, has_tokens));

@@ -155,6 +155,26 @@ def test_preprocessing_arguments_are_checked_before_use():
     assert torch.equal(o1, o2)
 
 
+def test_lazily_negated_views_are_refused_and_size_one_dims_take_any_stride():
+    x = _args()
+    # a real view with torch's neg bit (as conj().imag gives), the other sign in memory
+    neg_v = torch._neg_view(x["v"])
+    assert neg_v.is_neg()
+    with pytest.raises(ValueError, match=r"v: expected a tensor without a lazy negation"):
+        _call(v=neg_v)
+    o_resolved, _ = _call(v=neg_v.resolve_neg())
+    o_minus, _ = _call(v=-x["v"])
+    assert torch.equal(o_resolved, o_minus)
+    # K = 1 with a last stride of 2 (a transposed size-1 dimension, which torch calls contiguous)
+    q1 = torch.randn(1, 10, 1, 2).transpose(2, 3)  # [1, 10, 2, 1]
+    k1 = torch.randn(1, 10, 1, 2).transpose(2, 3)
+    assert q1.stride(-1) == 2 and q1.is_contiguous()
+    o, _ = qla.chunk_gated_delta_rule(q1, k1, x["v"], x["g"], x["beta"])
+    o_ref, _ = qla.chunk_gated_delta_rule(q1.clone(memory_format=torch.contiguous_format).reshape(1, 10, 2, 1).clone(),
+                                          k1.reshape(1, 10, 2, 1).clone(), x["v"], x["g"], x["beta"])
+    assert torch.equal(o, o_ref)
+
+
 def test_scale_argument():
     with pytest.raises(TypeError, match=r"scale: expected a real number or None, got str"):
         _call(scale="0.1")
@@ -165,6 +185,11 @@ def test_scale_argument():
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match=r"scale: expected a finite number, got"):
             _call(scale=bad)
+    with pytest.raises(ValueError, match=r"scale: expected a finite number, got one too large for a float"):
+        _call(scale=10 ** 400)
+    with pytest.raises(ValueError, match=r"scale: expected \|scale\| <= 3.4e38 \(fp32, the precision of the computation "
+                                         r"for float32 inputs\), got 1e\+39"):
+        _call(scale=1e39)
     o_int, _ = _call(scale=1)  # an int is a real number
     o_float, _ = _call(scale=1.0)
     assert torch.equal(o_int, o_float)
