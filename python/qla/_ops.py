@@ -32,7 +32,7 @@ def _desc(t: Optional[torch.Tensor], name: Optional[str] = None) -> tuple:
     tensors are real."""
     if t is None:
         return _NONE
-    if name is not None and t.is_neg():  # a view with torch's lazy negation (conj().imag, say): memory holds the other sign
+    if name is not None and t.is_neg():  # torch's lazy negation (conj().imag, say): memory holds the other sign
         raise ValueError(f"{name}: expected a tensor without a lazy negation, got one with torch's neg bit set "
                          f"(call .resolve_neg() first)")
     st = t.stride()  # one call: each tensor attribute read costs ~0.1-0.5 us of host time

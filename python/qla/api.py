@@ -30,7 +30,6 @@ def _check_tensor(name: str, t, ndim: int, dtypes) -> None:
         raise TypeError(f"{name}: expected dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
 
 
-
 _TENSOR = torch.Tensor
 _QKV_DTYPE_SET = frozenset(_QKV_DTYPES)
 _GATE_DTYPE_SET = frozenset(_GATE_DTYPES)
@@ -437,8 +436,10 @@ def chunk_gated_delta_rule(
     if kwargs:
         raise TypeError(f"chunk_gated_delta_rule: unexpected keyword arguments {sorted(kwargs)}")
     # FLA's flags take any truthy value, as there; bool() keeps the core's arguments typed.
-    use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
-    allow_neg_eigval, use_gate_in_kernel, state_v_first = bool(allow_neg_eigval), bool(use_gate_in_kernel), bool(state_v_first)
+    use_qk_l2norm_in_kernel = bool(use_qk_l2norm_in_kernel)
+    use_beta_sigmoid_in_kernel = bool(use_beta_sigmoid_in_kernel)
+    allow_neg_eigval, use_gate_in_kernel = bool(allow_neg_eigval), bool(use_gate_in_kernel)
+    state_v_first = bool(state_v_first)
     if use_gate_in_kernel or use_beta_sigmoid_in_kernel or use_qk_l2norm_in_kernel:
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):  # before the preprocessing uses them
             if not isinstance(t, torch.Tensor):

@@ -129,8 +129,8 @@ Path path_rule(const GdnForwardParams& p) {
 }
 
 // Sequence splitting (split.cuh, docs/split.md), decided from the params and the host lengths
-// when given (so a workspace query with the same params agrees with the launch): the piece plan and a bound on the pieces of the whole call
-// (0: unsplit), by the cost model of split_plan.cuh. Without host lengths the plan is made for
+// when given (so a workspace query with the same params agrees with the launch): the piece plan
+// and a bound on the pieces of the whole call (0: unsplit), by the cost model of split_plan.cuh. Without host lengths the plan is made for
 // sequences of the mean length and refined on the device (gdn_chunk_table, refine_plan).
 constexpr int kInvariantPieceChunks = 64;  // batch_invariant's pieces: 4096 tokens
 // Below kFusedMinPairs the two-pass forward takes about 0.87 of the unsplit fused time (2/8 at

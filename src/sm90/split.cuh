@@ -387,7 +387,8 @@ __device__ __forceinline__ void scan_mma_products(const float* sM, const float* 
   for (int kp = 0; kp < kDK / 16; ++kp) {
     float4 mv[2];  // M_j[16 w + 8 n + g][16 kp + 4 t .. + 3]
     CUTE_UNROLL
-    for (int n = 0; n < 2; ++n) mv[n] = *reinterpret_cast<const float4*>(sM + scan_swz(16 * warp + 8 * n + g, 16 * kp + 4 * t));
+    for (int n = 0; n < 2; ++n)
+      mv[n] = *reinterpret_cast<const float4*>(sM + scan_swz(16 * warp + 8 * n + g, 16 * kp + 4 * t));
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float4 sv = *reinterpret_cast<const float4*>(sF + scan_frag(kp, h, g, t));
