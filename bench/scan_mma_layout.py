@@ -1,4 +1,4 @@
-"""The tensor-core scan's layouts (gdn_fwd_scan_mma in src/sm90/split.cuh, split-11), checked on
+"""The tensor-core scan's layouts (gdn_fwd_scan in src/sm90/split.cuh, split-11), checked on
 the CPU before the kernel runs: its index expressions (scan_swz, scan_frag, the copy's rows, the
 lanes' places of S and R, the permuted k8 steps) written out again here with the m16n8k8 tf32
 fragment semantics of the PTX ISA, for one CTA in fp64, against M S + R; and every 16-byte

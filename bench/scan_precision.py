@@ -2,10 +2,10 @@
 S_{j+1} = M_j S_j + R_j over a sequence's pieces, with the maps (M_j, R_j) of real pieces
 computed in fp64 by qla.reference, then the scan run
   - in fp64 (the reference),
-  - in fp32 (the FMA scan),
+  - in fp32 (the FMA scan that split-11 replaced),
   - with tf32 operands, one product (hi hi) or three (hi hi + hi lo + lo hi), fp32 sums: the
-    tensor-core scan (split-11 in docs/design.md). hi is rounded to nearest (cvt.rna), lo is
-    x - hi truncated to tf32, as the tensor core reads it.
+    tensor-core scan (split-11 in docs/design.md; the library runs one product). hi is rounded
+    to nearest (cvt.rna), lo is x - hi truncated to tf32, as the tensor core reads it.
 Only the scan's own error is measured (the same fp64 maps feed every variant). Gates as in the
 benchmarks: g = 0 (every head with g = 0 takes the exact path, so this is the case that matters),
 the benchmark's decay and strong decay (the maps shrink to ~0: the warm-up path's cases).

@@ -369,8 +369,9 @@ __device__ __forceinline__ void load_entering_state(const RecParams& p, int init
   }
 }
 
-// The state leaving a CTA's chunks (row v in units 2^esc): the final state or the piece's maps.
-template <class AccS, class CS>
+// The state leaving a CTA's chunks (row v in units 2^esc): the final state or the piece's maps
+// (written only by split calls' pass 0, the lean kernel: kLean).
+template <bool kLean, class AccS, class CS>
 __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end, int n, int hv, int v0, float* maps,
                                                     const AccS& accS, const CS& cS, const int (&esc)[2]) {
   const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
@@ -382,8 +383,14 @@ __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end,
       p.hT[fb + (p.vk ? v * p.shT[2] + d : d * p.shT[2] + v)] = accS(i) * inv[acc_half(i)];
     }
   } else if (end == kEndMaps) {
+    // M's columns (v0 >= kDV) are read only by the scan, whose tensor cores take them as tf32:
+    // rounded here, once, instead of in every scan CTA's every step.
+    const bool m_cols = kLean && v0 >= kDV;
     CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))] = accS(i) * inv[acc_half(i)];
+    for (int i = 0; i < size(accS); ++i) {
+      const float x = accS(i) * inv[acc_half(i)];
+      maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))] = m_cols ? __uint_as_float(tf32_round(x)) : x;
+    }
   }
 }
 
@@ -801,7 +808,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   }
   QLA_PHASES_PRINT("math (wait, units + S16, [Y|P], Z, [U|O], X + scale, O out, S^T)", 8, nch);
 
-  store_leaving_state(p, role.end, n, hv, v0, maps, accS, cS, esc);
+  store_leaving_state<kLean>(p, role.end, n, hv, v0, maps, accS, cS, esc);
 }
 
 }  // namespace

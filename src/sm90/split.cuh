@@ -155,33 +155,46 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
   return r;
 }
 
-// The scan of the exact path (between passes 0 and 1), per (sequence, value head, 8 state
-// columns): S_{j+1} = M_j S_j + R_j for j = 1 .. np - 2, in place of R_j (R_0 is already S_1, the
-// state after piece 0 run from h0). fp32 with a fixed summation order (bitwise deterministic).
-// The chain is the np - 2 dependent steps, so a step must be short:
-//   - M_j does not depend on the chain: it is copied into shared memory a step ahead (cp.async,
-//     coalesced: split-9 in docs/design.md; bulk copies from one warp were slower, split-6);
-//   - only S crosses the threads, through shared memory, read as broadcasts; a thread computes
-//     a block of kScanRows rows, so each S load feeds kScanRows x 4 FMAs.
-// Thread t holds rows t % 32 + 32 i (i < kScanRows) of M over the reduction part t / 32 (16
-// indices); the 8 parts' sums meet in shared memory, where thread t adds them in order for row
-// t / 2, columns 4 (t & 1) .. + 3, then R. 16 CTAs per (sequence, value head).
-constexpr int kScanCols = 8;
+// The scan of the exact path (between passes 0 and 1): S_{j+1} = M_j S_j + R_j for
+// j = 1 .. np - 2, written over R_j (R_0 is already S_1, the state after piece 0 run from h0).
+// The np - 2 steps are one dependent chain, so the step must be short (split-11 in
+// docs/design.md):
+//   - a CTA takes kScanCols = 16 state columns of one (sequence, value head): 8 CTAs per pair;
+//   - the products run transposed on the tensor cores, S_{j+1}^T = S_j^T M_j^T (+ R_j^T), as
+//     mma.sync m16n8k8 with tf32 operands and fp32 accumulators: m = the CTA's 16 columns,
+//     n = state rows (warp w owns rows 16 w .. 16 w + 15, two n8 tiles, over the whole
+//     reduction: no partial sums cross warps, one barrier a step). M_j is rounded to tf32 where
+//     pass 0 writes it, S_j where the scan writes it. tf32 operands cost 2e-5 to
+//     8e-5 of the state at 32 to 64 pieces with g = 0 and 4.3e-4 at pieces of one chunk
+//     (bench/scan_precision.py), against the bound's 3e-3;
+//   - the reduction index is permuted (one bijection on A's columns and B's rows: the same sum
+//     in another order): fragment slot t of k8 step 2 kp + h is index 16 kp + 4 t + 2 h, slot
+//     t + 4 the next one, so a lane's B fragments (M_j's row, two adjacent floats) come from one
+//     16-byte load of M_j (row-major in shared memory, scan_swz: bit 4 of the index flipped on
+//     odd rows, which makes those loads and the copies free of bank conflicts), and S_j is kept
+//     in shared memory in fragment order (scan_frag): one 16-byte load per A fragment, one
+//     16-byte store per n8 tile of S_{j+1}; bench/scan_mma_layout.py checks these layouts;
+//   - nothing the chain does not need waits inside it: M_j is copied into shared memory two
+//     steps ahead (kScanBufs buffers, every thread's 16-byte cp.async, issued after the step's
+//     products), and R_j is loaded into registers two steps ahead (one register set for odd
+//     steps, one for even: a move between sets would wait for the load).
+// A fixed order of products and sums: bitwise deterministic.
+constexpr int kScanCols = 16;
 constexpr int kScanThreads = 256;
-constexpr int kScanRows = 4;                                       // rows of M per thread
-constexpr int kScanParts = kScanThreads / (kDK / kScanRows);       // 8 parts of the reduction
-constexpr int kScanSpan = kDK / kScanParts;                        // 16 reduction indices per thread
-static_assert(kScanCols == 8 && kScanThreads == 2 * kDK, "the final sum: a thread per (row, 4 columns)");
+constexpr int kScanBufs = 3;  // M_j being read, M_{j+1} landing, M_{j+2} being copied
+static_assert(kScanThreads / 32 * 16 == kDK, "a warp per 16 rows of S_{j+1}: two n8 tiles");
+constexpr int kScanFragFloats = kScanCols * kDK;  // S_j in fragment order, one buffer
+constexpr size_t kScanSmem = sizeof(float) * (kScanBufs * kDK * kDK + 2 * kScanFragFloats);
 
 // A scan CTA's chain: (sequence, value head, column slice), its pieces and first map; false
 // (the same in every thread) when it has none: fewer than three pieces, or the warm-up path.
 struct ScanCta {
   int hv, c0, np, map0;
 };
-__device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCta& sc, int cols = kScanCols) {
-  const int slices = kDV / cols;
+__device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCta& sc) {
+  constexpr int slices = kDV / kScanCols;
   sc.hv = static_cast<int>(blockIdx.x / slices);
-  sc.c0 = static_cast<int>(blockIdx.x % slices) * cols;
+  sc.c0 = static_cast<int>(blockIdx.x % slices) * kScanCols;
   const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
   if (rank >= p.N || p.chunk_off[p.N + 1]) return false;
   const int n = p.chunk_off[p.N + 2 + rank];
@@ -202,164 +215,29 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
 
 // M_j's K x K block of a map ([R_j | M_j], rows of kMapCols) into shared memory by every
 // thread's 16-byte cp.async: thread tid copies rows tid / 32 + 8 q, so a warp copies one row's
-// 512 contiguous bytes (coalesced). dst(row, col) places 4 floats (the layouts pad or swizzle
-// rows so that the products' reads hit distinct banks). The caller commits the group.
-template <class Dst>
-__device__ __forceinline__ void scan_copy_m(const float* map, Dst dst) {
+// 512 contiguous bytes (coalesced). The caller commits the group.
+__device__ __forceinline__ int scan_swz(int r, int x) { return r * kDK + (x ^ ((r & 1) << 4)); }
+__device__ __forceinline__ void scan_copy_m(const float* map, float* dst) {
   static_assert(kScanThreads == 8 * 32, "8 warps: rows w + 8 q");
   const int tid = threadIdx.x;
   const float* src = map + (tid / 32) * kMapCols + kDV + 4 * (tid % 32);
   CUTE_UNROLL
   for (int q = 0; q < kDK / 8; ++q)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst(tid / 32 + 8 * q, 4 * (tid % 32)))),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + scan_swz(tid / 32 + 8 * q, 4 * (tid % 32)))),
                  "l"(src + 8 * q * kMapCols)
                  : "memory");
 }
 
-// One step of the scan after M_j's part is in this thread's registers (m: rows r0 + 32 i over
-// indices e0 ..): the products with S_j (sS, read as broadcasts) into sPart; after the barrier,
-// row fd, columns fc .. fc + 3 of S_{j+1} = the parts' sums in order + R_j (r) into sS and dst.
-// The caller's barrier must follow before sS or sPart is used again.
-__device__ __forceinline__ void scan_step(const float (&m)[kScanRows][kScanSpan], float (*sS)[kScanCols],
-                                          float (*sPart)[kDK][kScanCols], int r0, int part, int fd, int fc,
-                                          const float4& r, float4* dst) {
-  const int e0 = part * kScanSpan;
-  float4 acc[kScanRows][2];
-  CUTE_UNROLL
-  for (int i = 0; i < kScanRows; ++i) acc[i][0] = acc[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  CUTE_UNROLL
-  for (int e = 0; e < kScanSpan; ++e) {
-    const float4 s_lo = reinterpret_cast<const float4*>(sS[e0 + e])[0];  // broadcasts
-    const float4 s_hi = reinterpret_cast<const float4*>(sS[e0 + e])[1];
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i) {
-      const float me = m[i][e];
-      acc[i][0].x = fmaf(me, s_lo.x, acc[i][0].x), acc[i][0].y = fmaf(me, s_lo.y, acc[i][0].y);
-      acc[i][0].z = fmaf(me, s_lo.z, acc[i][0].z), acc[i][0].w = fmaf(me, s_lo.w, acc[i][0].w);
-      acc[i][1].x = fmaf(me, s_hi.x, acc[i][1].x), acc[i][1].y = fmaf(me, s_hi.y, acc[i][1].y);
-      acc[i][1].z = fmaf(me, s_hi.z, acc[i][1].z), acc[i][1].w = fmaf(me, s_hi.w, acc[i][1].w);
-    }
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < kScanRows; ++i) {
-    float4* pd = reinterpret_cast<float4*>(sPart[part][r0 + 32 * i]);
-    pd[0] = acc[i][0], pd[1] = acc[i][1];
-  }
-  __syncthreads();  // every part's sums are in sPart; every read of sS for this step is done
-  float4 sn = reinterpret_cast<const float4*>(&sPart[0][fd][fc])[0];
-  CUTE_UNROLL
-  for (int q = 1; q < kScanParts; ++q) {
-    const float4 v = reinterpret_cast<const float4*>(&sPart[q][fd][fc])[0];
-    sn.x += v.x, sn.y += v.y, sn.z += v.z, sn.w += v.w;
-  }
-  sn.x += r.x, sn.y += r.y, sn.z += r.z, sn.w += r.w;
-  reinterpret_cast<float4*>(&sS[fd][fc])[0] = sn;
-  *dst = sn;
-}
-
-// The scan over one (sequence, value head)'s pieces, a slice of kScanCols state columns per
-// CTA: S_{j+1} = M_j S_j + R_j (written over R_j). M_j is copied into padded shared memory by
-// every thread's 16-byte cp.async a step ahead (split-9 in docs/design.md): a warp copies one
-// row's 512 contiguous bytes, overlapped with the step before, and the products read it back
-// without bank conflicts (pitch kDK + 4 floats). Loading it straight into registers instead
-// cost 4096 L1 wavefronts a step (a warp's load spanned 32 rows), and ptxas sank those loads
-// below the products: 3.6 against 2.2 us a step at 2/8 1x32768.
-constexpr int kScanMPitch = kDK + 4;  // floats: the products' 16-byte reads hit distinct banks
-constexpr size_t kScanSmem = sizeof(float) * (2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols + kDK * kScanCols);
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  extern __shared__ __align__(16) float scan_smem[];
-  float (*sM)[kDK][kScanMPitch] = reinterpret_cast<float (*)[kDK][kScanMPitch]>(scan_smem);  // [2]: M_j, M_{j+1}
-  float (*sPart)[kDK][kScanCols] = reinterpret_cast<float (*)[kDK][kScanCols]>(scan_smem + 2 * kDK * kScanMPitch);  // each part's sums
-  float (*sS)[kScanCols] = reinterpret_cast<float (*)[kScanCols]>(scan_smem + 2 * kDK * kScanMPitch + kScanParts * kDK * kScanCols);  // S_j, this CTA's columns
-  __shared__ int s_warm;
-  ScanCta sc;
-  if (!scan_cta(p, &s_warm, sc)) return;
-  const int tid = threadIdx.x;
-  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
-  auto copy_m = [&](int j) {  // M_j into buffer (j - 1) & 1, rows padded to kScanMPitch floats
-    scan_copy_m(map_of(j), [&](int row, int col) { return &sM[(j - 1) & 1][row][col]; });
-  };
-  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
-  // The products: rows r0 + 32 i of M_j over indices e0 .. e0 + kScanSpan - 1.
-  const int r0 = tid % 32, part = tid / 32, e0 = part * kScanSpan;
-  // The final sums: row fd, columns fc .. fc + 3 of this CTA's slice (R_j's part of them in r).
-  const int fd = tid / 2, fc = 4 * (tid & 1);
-  auto r_of = [&](int j) { return reinterpret_cast<float4*>(map_of(j) + fd * kMapCols + sc.c0 + fc); };
-  copy_m(1);
-  commit();
-  if (sc.np > 3) copy_m(2);
-  commit();  // (one group per step from here on, empty when nothing is left to copy)
-  reinterpret_cast<float4*>(&sS[fd][fc])[0] = *r_of(0);  // S_1 = R_0
-  float4 r = *r_of(1), rn = r;
-  for (int j = 1; j + 1 < sc.np; ++j) {
-    if (j + 2 < sc.np) rn = *r_of(j + 1);  // off the chain
-    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
-    __syncthreads();  // everyone's; S_j is in sS, and sPart may be written again
-    float m[kScanRows][kScanSpan];
-    const int buf = (j - 1) & 1;
-    CUTE_UNROLL
-    for (int i = 0; i < kScanRows; ++i)
-      CUTE_UNROLL
-      for (int q = 0; q < kScanSpan / 4; ++q) {
-        const float4 v = reinterpret_cast<const float4*>(&sM[buf][r0 + 32 * i][e0])[q];
-        m[i][4 * q] = v.x, m[i][4 * q + 1] = v.y, m[i][4 * q + 2] = v.z, m[i][4 * q + 3] = v.w;
-      }
-    scan_step(m, sS, sPart, r0, part, fd, fc, r, r_of(j));  // S_{j+1} in place of R_j
-    // scan_step's barrier: every thread has read buffer buf, which now takes M_{j+2}.
-    if (j + 3 < sc.np) copy_m(j + 2);
-    commit();
-    r = rn;
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
-#ifdef QLA_SM90_TEST_HOOKS
-// The scan on the tensor cores (split-11 in docs/design.md; test builds, chosen by
-// set_test_scan_mma until it has run on the device). The FMA scan's step (2.3 us at 2/8
-// 1x32768) is two barriers and the 8 parts' ordered sums (ncu: 0.27 issued per cycle), and each
-// of its 16 CTAs per (sequence, value head) reads all of M_j from L2 every step: 128 CTAs x 64
-// KiB = 8 MiB a step at 2/8, ~1.5 us of L2 bandwidth. Here
-//   - a CTA takes kScanMmaCols = 16 state columns (8 CTAs per (sequence, value head)): half the
-//     L2 traffic, and 16/16's 256 CTAs of 8 columns (two rounds) become 128 (one);
-//   - the products run transposed on the tensor cores, S_{j+1}^T = S_j^T M_j^T (+ R_j^T), as
-//     mma.sync m16n8k8 with tf32 operands and fp32 accumulators: m = the CTA's 16 columns,
-//     n = state rows (warp w owns rows 16 w .. 16 w + 15, two n8 tiles, over the whole
-//     reduction: no partial sums cross warps);
-//   - kTerms = 1: tf32 operands (hi hi); kTerms = 3: every operand split into tf32 hi + lo and
-//     three products (hi hi, hi lo, lo hi), fp32's accuracy. bench/scan_precision.py measures
-//     tf32 alone at 2e-5 to 8e-5 of the state for g = 0 at 32 to 64 pieces, 4.3e-4 at pieces of
-//     one chunk (maps near the identity), against the bound's 3e-3;
-//   - the reduction index is permuted (one bijection on A's columns and B's rows: the same sum
-//     in another order): fragment slot t of k8 step 2 kp + h is index 16 kp + 4 t + 2 h, slot
-//     t + 4 the next one, so a lane's B fragments (M_j's row, two adjacent floats) come from one
-//     16-byte load of M_j (row-major in shared memory, scan_swz: bit 4 of the index flipped on
-//     odd rows, which makes those loads and the copies free of bank conflicts), and S_j is kept
-//     in shared memory in fragment order (scan_frag): one 16-byte load per A fragment, one
-//     16-byte store per n8 tile of S_{j+1};
-//   - M_j is copied two steps ahead (kScanMmaBufs buffers) and S_j is double-buffered, so one
-//     barrier a step suffices.
-// A fixed order of products and sums: bitwise deterministic.
-constexpr int kScanMmaCols = 16;
-constexpr int kScanMmaBufs = 3;  // M_j being read, M_{j+1} landing, M_{j+2} being copied
-static_assert(kScanThreads / 32 * 16 == kDK, "a warp per 16 rows of S_{j+1}: two n8 tiles");
-constexpr int kScanFragFloats = kScanMmaCols * kDK;  // S_j in fragment order, one buffer
-constexpr size_t kScanMmaSmem = sizeof(float) * (kScanMmaBufs * kDK * kDK + 2 * kScanFragFloats);
-__device__ __forceinline__ int scan_swz(int r, int x) { return r * kDK + (x ^ ((r & 1) << 4)); }
 // S_j in fragment order: the 16-byte chunk of lane (g, t) for k8 step 2 kp + h holds
 // S[k][g], S[k][g + 8], S[k + 1][g], S[k + 1][g + 8] (k = 16 kp + 4 t + 2 h; columns of the
 // CTA's slice): the A fragment a0 .. a3. Chunks ordered (kp, h, g, t).
 __device__ __forceinline__ int scan_frag(int kp, int h, int g, int t) { return 4 * (((kp * 2 + h) * 8 + g) * 4 + t); }
 
-// x = hi + lo with hi a tf32 value (round to nearest) and lo = x - hi exactly in fp32, which the
-// tensor core reads as tf32 (its low 13 bits dropped: ~2^-22 of x).
+// x rounded to tf32 (to nearest), as the bits the tensor core reads.
 __device__ __forceinline__ uint32_t tf32_round(float x) {
-  uint32_t hi;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-  return hi;
-}
-__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32_round(x);
-  lo = __float_as_uint(x - __uint_as_float(hi));
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
 }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -368,20 +246,12 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// S_j's value as the products read it from shared memory: fp32 for three products (hi and lo
-// are taken there), else rounded to tf32 once where it is written.
-template <int kTerms>
-__device__ __forceinline__ float scan_mma_image(float x) {
-  if constexpr (kTerms == 1) return __uint_as_float(tf32_round(x));
-  return x;
-}
-
 // One step's products for warp w, lane 4 g + t: acc[n] = (S_j^T M_j^T)[columns g, g + 8 of the
-// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. sM: M_j (scan_swz), sF:
-// S_j (scan_frag). Two accumulators per tile (h = 0, 1) halve the dependent mma chain.
-template <int kTerms>
-__device__ __forceinline__ void scan_mma_products(const float* sM, const float* sF, int warp, int g, int t,
-                                                  float (&acc)[2][4]) {
+// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. sM: M_j (scan_swz; tf32
+// values, rounded by pass 0 where it wrote the map), sF: S_j (scan_frag, tf32 values). Two
+// accumulators per tile (h = 0, 1) halve the dependent mma chain.
+__device__ __forceinline__ void scan_products(const float* sM, const float* sF, int warp, int g, int t,
+                                              float (&acc)[2][4]) {
   float part[2][2][4] = {};
   CUTE_UNROLL
   for (int kp = 0; kp < kDK / 16; ++kp) {
@@ -392,27 +262,11 @@ __device__ __forceinline__ void scan_mma_products(const float* sM, const float* 
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float4 sv = *reinterpret_cast<const float4*>(sF + scan_frag(kp, h, g, t));
-      const float a[4] = {sv.x, sv.y, sv.z, sv.w};
-      uint32_t ah[4], al[4];
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        if constexpr (kTerms == 3) tf32_split(a[e], ah[e], al[e]);
-        else ah[e] = __float_as_uint(a[e]);  // rounded where it was written
-      }
+      const uint32_t a[4] = {__float_as_uint(sv.x), __float_as_uint(sv.y), __float_as_uint(sv.z), __float_as_uint(sv.w)};
       CUTE_UNROLL
       for (int n = 0; n < 2; ++n) {
-        const float b[2] = {h ? mv[n].z : mv[n].x, h ? mv[n].w : mv[n].y};
-        uint32_t bh[2], bl[2];
-        CUTE_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          if constexpr (kTerms == 3) tf32_split(b[e], bh[e], bl[e]);
-          else bh[e] = tf32_round(b[e]);
-        }
-        if constexpr (kTerms == 3) {
-          mma_tf32(part[h][n], al, bh);
-          mma_tf32(part[h][n], ah, bl);
-        }
-        mma_tf32(part[h][n], ah, bh);
+        const uint32_t b[2] = {__float_as_uint(h ? mv[n].z : mv[n].x), __float_as_uint(h ? mv[n].w : mv[n].y)};
+        mma_tf32(part[h][n], a, b);
       }
     }
   }
@@ -422,21 +276,16 @@ __device__ __forceinline__ void scan_mma_products(const float* sM, const float* 
     for (int e = 0; e < 4; ++e) acc[n][e] = part[0][n][e] + part[1][n][e];
 }
 
-template <int kTerms>
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_mma(const __grid_constant__ RecParams p) {
-  static_assert(kTerms == 1 || kTerms == 3, "one or three tf32 products");
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
   extern __shared__ __align__(16) float scan_smem[];
-  float* sM = scan_smem;                             // [kScanMmaBufs][kDK * kDK]: M_j in buffer j % kScanMmaBufs
-  float* sF = scan_smem + kScanMmaBufs * kDK * kDK;  // [2][kScanFragFloats]: S_j in buffer j & 1
+  float* sM = scan_smem;                          // [kScanBufs][kDK * kDK]: M_j in buffer j % kScanBufs
+  float* sF = scan_smem + kScanBufs * kDK * kDK;  // [2][kScanFragFloats]: S_j in buffer j & 1
   __shared__ int s_warm;
   ScanCta sc;
-  if (!scan_cta(p, &s_warm, sc, kScanMmaCols)) return;
+  if (!scan_cta(p, &s_warm, sc)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
-  auto copy_m = [&](int j) {
-    float* dst = sM + (j % kScanMmaBufs) * kDK * kDK;
-    scan_copy_m(map_of(j), [&](int row, int col) { return dst + scan_swz(row, col); });
-  };
+  auto copy_m = [&](int j) { scan_copy_m(map_of(j), sM + (j % kScanBufs) * kDK * kDK); };
   auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
   // This lane's places of S (accumulator layout): rows 16 w + 8 n + 2 t + e (e = 0, 1), columns
   // g and g + 8 of the slice. Element q of a tile: row + (q & 1), column g + 8 (q >> 1).
@@ -444,54 +293,62 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_mma(const __grid
   auto at = [&](int j, int n, int q) {  // R_j's element (map row-major, kMapCols a row)
     return map_of(j) + (16 * warp + 8 * n + 2 * t + (q & 1)) * kMapCols + sc.c0 + g + 8 * (q >> 1);
   };
-  // A tile of S into fragment order: rows 16 w + 8 n + 2 t (+ 1) are index 16 kp + 4 t' + 2 h + e
-  // with kp = w, t' = 2 n + t / 2, h = t & 1: one chunk, in the order (e, column half).
-  auto put_s = [&](float* frag, int n, const float (&v)[4]) {
-    const float4 c = make_float4(scan_mma_image<kTerms>(v[0]), scan_mma_image<kTerms>(v[2]), scan_mma_image<kTerms>(v[1]),
-                                 scan_mma_image<kTerms>(v[3]));
-    *reinterpret_cast<float4*>(frag + scan_frag(warp, t & 1, g, 2 * n + t / 2)) = c;
-  };
-  copy_m(1);
-  commit();
-  if (sc.np > 3) copy_m(2);
-  commit();  // (one group per step from here on, empty when nothing is left to copy)
-  float rc[2][4];  // R_j at this lane's places
-  CUTE_UNROLL
-  for (int n = 0; n < 2; ++n) {
-    float s1[4];
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) s1[q] = *at(0, n, q), rc[n][q] = *at(1, n, q);
-    put_s(sF + kScanFragFloats, n, s1);  // S_1 = R_0 (step j reads buffer j & 1)
-  }
-  for (int j = 1; j + 1 < sc.np; ++j) {
-    float rn[2][4];
+  auto load_r = [&](int j, float (&r)[2][4]) {
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n)
       CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) rn[n][q] = j + 2 < sc.np ? *at(j + 1, n, q) : rc[n][q];  // off the chain
+      for (int q = 0; q < 4; ++q) r[n][q] = *at(j, n, q);
+  };
+  // A tile of S into fragment order, rounded to tf32 once: rows 16 w + 8 n + 2 t (+ 1) are index
+  // 16 kp + 4 t' + 2 h + e with kp = w, t' = 2 n + t / 2, h = t & 1: one chunk, in the order
+  // (e, column half).
+  auto put_s = [&](float* frag, int n, const float (&v)[4]) {
+    auto r = [](float x) { return __uint_as_float(tf32_round(x)); };
+    *reinterpret_cast<float4*>(frag + scan_frag(warp, t & 1, g, 2 * n + t / 2)) = make_float4(r(v[0]), r(v[2]), r(v[1]), r(v[3]));
+  };
+  const int last = sc.np - 2;  // the last step
+  copy_m(1);
+  commit();
+  if (last >= 2) copy_m(2);
+  commit();  // (one group per step from here on, empty when nothing is left to copy)
+  float r_odd[2][4], r_even[2][4];  // R_j of the odd and the even steps
+  {
+    float s1[2][4];
+    load_r(0, s1);
+    load_r(1, r_odd);
+    if (last >= 2) load_r(2, r_even);
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) put_s(sF + kScanFragFloats, n, s1[n]);  // S_1 = R_0 (step j reads buffer j & 1)
+  }
+  auto step = [&](int j, float (&r)[2][4]) {
     asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
     // Everyone's copies of M_j have landed and S_j is in its buffer; every read of step j - 1
     // (M_{j-1}'s buffer, S_{j-1}'s) is done, so those buffers take M_{j+2} and S_{j+1}.
     __syncthreads();
-    if (j + 2 < sc.np - 1) copy_m(j + 2);
-    commit();
     float acc[2][4];
-    scan_mma_products<kTerms>(sM + (j % kScanMmaBufs) * kDK * kDK, sF + (j & 1) * kScanFragFloats, warp, g, t, acc);
+    scan_products(sM + (j % kScanBufs) * kDK * kDK, sF + (j & 1) * kScanFragFloats, warp, g, t, acc);
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n) {
       float v[4];
       CUTE_UNROLL
       for (int q = 0; q < 4; ++q) {
-        v[q] = acc[n][q] + rc[n][q];
+        v[q] = acc[n][q] + r[n][q];
         *at(j, n, q) = v[q];  // S_{j+1} in place of R_j
-        rc[n][q] = rn[n][q];
       }
       put_s(sF + ((j + 1) & 1) * kScanFragFloats, n, v);
     }
+    if (j + 2 <= last) {
+      load_r(j + 2, r);
+      copy_m(j + 2);
+    }
+    commit();
+  };
+  for (int j = 1; j <= last; j += 2) {
+    step(j, r_odd);
+    if (j + 1 <= last) step(j + 1, r_even);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-#endif  // QLA_SM90_TEST_HOOKS
 
 }  // namespace
 }  // namespace sm90

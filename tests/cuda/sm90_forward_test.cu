@@ -39,7 +39,6 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
-void set_test_scan_mma(int terms);  // 1 / 3: the tensor-core scan with that many tf32 products (0: the FMA scan)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -768,7 +767,6 @@ int main(int argc, char** argv) {
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
   // The tensor-core scan with 1 or 3 tf32 products (split-11): every suite and bench with it.
-  if (const char* e = std::getenv("QLA_TEST_SCAN_MMA")) qla::sm90::set_test_scan_mma(std::atoi(e));
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
