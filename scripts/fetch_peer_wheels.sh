@@ -12,6 +12,8 @@
 #
 # What goes to .whl/ (carried):
 #   nvidia_cutlass 4.2.0.0                              CUTLASS/CuTe headers to build QLA on the device
+#   nanobind 2.10.2, scikit_build_core 0.11.6           the pinned build tools: the device's own
+#                                                       (nanobind 3.1.0 on 2026-12-05) are not ours
 #   fla_core 0.6.0, flash_linear_attention 0.6.0       FLA (pure Python, Triton kernels)
 #   flash_qla 0.1.3                                     FlashQLA (pure Python, TileLang kernels)
 #   apache_tvm_ffi 0.1.12                               needed by tilelang (<0.1.13) and flashinfer
@@ -44,13 +46,16 @@ pins=(
   "tilelang==0.1.15 ca021a3450ad84b8fe7deb1b659c8d3d2e4b0855fdb59e2992a5349acf019881"
   "z3-solver==4.15.4.0 7e103a6f203f505b8b8b8e5c931cc407c95b61556512d4921c1ddc0b3f41b08e"
   "nvidia-cutlass==4.2.0.0 f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6"
+  "nanobind==2.10.2 6976c1b04b90481d2612b346485a3063818c6faa5077fe9d8bbc9b5fbe29c380"
+  "scikit-build-core==0.11.6 ce6d8fe64e6b4c759ea0fb95d2f8a68f60d2df31c2989838633b8ec930736360"
 )
 
 fetch_pinned "${pins[@]}"
 
 # Carried as wheels.
 for name in fla_core-0.6.0 flash_linear_attention-0.6.0 flash_qla-0.1.3 \
-            apache_tvm_ffi-0.1.12 flashinfer_python-0.6.13 nvidia_cutlass-4.2.0.0; do
+            apache_tvm_ffi-0.1.12 flashinfer_python-0.6.13 nvidia_cutlass-4.2.0.0 \
+            nanobind-2.10.2 scikit_build_core-0.11.6; do
   cp -f "$src"/"$name"-*.whl "$out"/
 done
 

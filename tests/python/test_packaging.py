@@ -1,9 +1,13 @@
-"""Packaging: the build requirements are pinned and agree with the development pins, and the
+"""Packaging: the build requirements are pinned and agree with the development pins, the
 extension this build produced carries ready sm_90a machine code wherever nvcc exists (the
-same check scripts/check_user_install.sh runs on a wheel built as a user builds it)."""
+same check scripts/check_user_install.sh runs on a wheel built as a user builds it), and it
+exports nothing but its entry point and nanobind's exception types."""
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +57,20 @@ def test_extension_carries_sm90a_machine_code_where_nvcc_exists():
     assert tool is not None, "nvcc exists but no cuobjdump was found (PATH, beside nvcc, Triton's package)"
     summary = cw.check_kernels(qla._C.__file__, tool)
     assert "sm_90a ELF" in summary and "no PTX" in summary
+
+
+def test_extension_exports_only_its_entry_point():
+    """Symbols of the static archives the module links (qla_core; libstdc++ where a toolchain links
+    it statically) must stay inside: exported, libstdc++'s bind to the copy torch loaded and the
+    two copies' locale state mixes, so a number formatted into an error message came out empty
+    (GCC 12) or crashed the process (GCC 13). Allowed: PyInit__C and nanobind's exception types,
+    which nanobind exports on purpose."""
+    nm = shutil.which("nm")
+    if nm is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs nm on Linux")
+    out = subprocess.run([nm, "-D", "--defined-only", qla._C.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert "PyInit__C" in names
+    leaked = [n for n in names if n != "PyInit__C" and "nanobind" not in n]
+    assert not leaked, f"{len(leaked)} symbols leave {qla._C.__file__}, e.g. {leaked[:5]}"
