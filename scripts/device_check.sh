@@ -3,7 +3,8 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-check] [scan-mma] [stalls]
+#                                [warm-peers] [warm-wait] [split-check] [scan-ab] [stalls]
+#                                [pytest-gdb]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
 #   installed into a fresh environment with no compiler on PATH, checked (scripts/check_wheel.py),
@@ -120,7 +121,7 @@ if want cold-peers; then
 fi
 snap
 # The build serves every other stage.
-build_stages=" tests bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par ab "
+build_stages=" tests pytest-gdb bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par ab "
 need_build=0
 for st in $stages; do [[ $build_stages == *" $st "* ]] && need_build=1; done
 # Stages that run binaries built on the development machine (split-check) need no build.
@@ -148,6 +149,23 @@ if want tests; then
   # PYTEST_TARGETS narrows the suites (the CPU suites also run in CI), e.g. tests/python/test_cuda_forward.py
   python3 -m pytest ${PYTEST_TARGETS:-tests/python} -q -p no:cacheprovider -rs 2>&1 | tee "$LOGS/pytest.log" | tail -15
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+fi
+snap
+
+if want pytest-gdb; then
+  # The pytest suites under gdb, stopping at the first failure: a crash prints the native stack
+  # of every thread (PYTEST_TARGETS narrows the suites). Without gdb, faulthandler's Python stacks.
+  {
+    echo "== pytest under gdb"
+    if command -v gdb >/dev/null; then
+      timeout ${PYTEST_GDB_S:-420} gdb -q -batch -ex "set pagination off" -ex "set print thread-events off" -ex run -ex bt \
+        -ex "thread apply all bt 12" --args python3 -X faulthandler -m pytest ${PYTEST_TARGETS:-tests/python} -q -x \
+        -p no:cacheprovider -rs 2>&1 | grep -v "^\[New Thread\|^\[Thread .* exited" | tail -150
+    else
+      echo "no gdb on this machine"
+      python3 -X faulthandler -m pytest ${PYTEST_TARGETS:-tests/python} -q -x -p no:cacheprovider -rs 2>&1 | tail -40
+    fi
+  } 2>&1 | tee "$LOGS/pytest_gdb.log"
 fi
 snap
 
@@ -250,31 +268,32 @@ if want split-check; then
 fi
 snap
 
-if want scan-mma; then
-  # split-11: the tensor-core scan (test builds, QLA_TEST_SCAN_MMA = 1 or 3 tf32 products)
-  # against the FMA scan (0) in one binary (.ab/fwd_new, carry .ab): the --split suite's
-  # accuracy and bitwise repeats, the scan's ncu time at 2/8 1x32768 (bench row 2) at the plan's
-  # pieces and at pieces of 16 and 8 chunks (31 and 63 steps), and the split bench. About 450 s:
-  # its own call.
-  b=.ab/fwd_new
+if want scan-ab; then
+  # A scan against another (split-11): .ab/fwd_old and .ab/fwd_new, test builds from two trees
+  # (carry .ab); SCAN_OLD_ENV: the old binary's environment (e.g. QLA_TEST_SCAN_MMA=1 for a
+  # build that had that hook). The new binary's --split and default suites, the scan's ncu time
+  # at 2/8 1x32768 (bench row 2) at the plan's pieces and at pieces of 16 and 8 chunks (31 and
+  # 63 steps) for both, then the new split bench. About 200 s.
   {
-    for terms in 0 1 3; do
-      echo "== scan terms $terms: suite --split"
-      QLA_TEST_SCAN_MMA=$terms timeout 150 $b --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
-      for c in auto 16 8; do
-        envs=(QLA_TEST_SCAN_MMA=$terms)
-        [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
-        echo "== scan terms $terms: ncu --profile 2, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
-        env "${envs[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd $b --profile 2 2>&1 \
+    echo "== new: suite --split"
+    timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
+    echo "== new: default suite"
+    timeout 150 .ab/fwd_new 2>&1 | grep -E "FAIL|PASSED" | tail -4
+    for c in auto 16 8; do
+      envs=(X=1)
+      [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
+      for b in old new; do
+        e=("${envs[@]}")
+        [[ $b == old ]] && e+=(${SCAN_OLD_ENV:-})
+        echo "== $b: ncu --profile 2, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
+        env "${e[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd .ab/fwd_$b --profile 2 2>&1 \
           | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
         echo
       done
-      # The split bench (pieces forced, the model's kScanStepUs): the FMA scan and tf32 alone.
-      [[ $terms == 3 ]] && continue
-      echo "== scan terms $terms: split-bench"
-      QLA_TEST_SCAN_MMA=$terms timeout 200 $b --split --bench 2>&1 | grep "^bench-split"
     done
-  } 2>&1 | tee "$LOGS/scan_mma.log"
+    echo "== new: split-bench"
+    timeout 200 .ab/fwd_new --split --bench 2>&1 | grep "^bench-split"
+  } 2>&1 | tee "$LOGS/scan_ab.log"
 fi
 snap
 
@@ -282,7 +301,7 @@ if want stalls; then
   # Where the loaded chunk step and the scan's step go (issue 12's open question, docs/design.md
   # split-9): ncu's warp-state, scheduler and memory sections for one launch of the fused
   # recurrence at 16/32 8192x4 (bench row 1, V tile 128, every SM busy) and at 2/8 1x32768's
-  # pass 1 (row 2), and for the scan of row 2 (the FMA scan and split-11's tensor-core one); the
+  # pass 1 (row 2), and for the scan of row 2; the
   # memory lines (DRAM and L2) say how far the loaded step is from the bytes. Full reports in $LOGS/stalls_*.txt
   # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 20 s.
   b=.ab/fwd_new
@@ -298,7 +317,6 @@ if want stalls; then
     run_ncu k2_16_32_8192x4 gdn_fwd_chunks 0 1
     run_ncu k2_pass1_2_8_1x32768 gdn_fwd_chunks 1 2
     run_ncu scan_2_8_1x32768 gdn_fwd_scan 0 2
-    run_ncu scan_mma1_2_8_1x32768 gdn_fwd_scan 0 2 QLA_TEST_SCAN_MMA=1  # split-11
   } 2>&1 | tee "$LOGS/stalls.log"
 fi
 snap
