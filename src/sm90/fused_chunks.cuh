@@ -199,7 +199,7 @@ __device__ __forceinline__ int tu_exp_of(const uint8_t* stb) {
 // place, and the math warpgroups' per-token factors, with O in per-token units 2^(eq + et). Ends
 // on the aux's barrier.
 template <class T, class Cfg>
-__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int wt QLA_PHASE_ARGS) {
+__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
   // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
@@ -264,6 +264,17 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
   };
   if (scaled) convert_all(std::true_type{});
   else if constexpr (!std::is_same_v<T, H>) convert_all(std::false_type{});
+  if (len < kC) {
+    // The sequence's last chunk: its rows past the end (the next sequence's first tokens) zeroed
+    // in K|Q (this thread's runs: token (16 (it & 7) + r0) & 63) and in the math warpgroups' V
+    // boxes, so that nothing there reaches this sequence's products or its units (chunk_units
+    // takes max |V| over the tile's rows).
+    CUTE_UNROLL
+    for (int it = 0; it < 16; ++it)
+      if (((16 * (it & 7) + r0) & (kC - 1)) >= len) sts128(run_addr(it), make_uint4(0u, 0u, 0u, 0u));
+    CUTE_UNROLL
+    for (int h = 0; h < Cfg::kMathWGs; ++h) zero_box_rows(smem_u32(stb + Cfg::kV + h * kC * 64 * 2), len, wt, 128);
+  }
   QLA_PHASE(2);
   // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
   // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
@@ -623,10 +634,10 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
-      aux_convert_qk<T, Cfg>(p, stb, wt QLA_PHASE_PASS);
+      const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
+      aux_convert_qk<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
       if constexpr (!kLean) {  // (the lean step's [U] = Z Tu^T alone needs no scores)
         QLA_PHASE(3);
-        const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
         aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
         // W as fp16 into rows 64-127 of the Tu|W operand.
         Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));

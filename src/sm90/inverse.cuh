@@ -200,6 +200,11 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   const int r0 = 16 * warp + g8, r1 = r0 + 8;
   if (first) {
     mbar_wait(bar, phase);
+    if (len < kC) {  // the sequence's last chunk: the rows past its end zeroed before K K^T
+      for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sKb + h * kQKBytes / 2), len, tid, 128);
+      fence_async_smem();  // the generic stores before the wgmma's reads
+      wg_bar(barid);
+    }
     if (!(p.skip & 4)) {
       auto mma = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
       auto thr = mma.get_thread_slice(tid);

@@ -5,7 +5,8 @@
 // gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
 // of the sequential passes' longest-first launch order (order_bucket), and the split forward's
 // pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds), and the
-// overlapped prep's level order of chunks (level_order_chunk).
+// overlapped prep's level order of chunks (level_order_chunk), and the rows of a TMA box as
+// zero_box_rows sees them.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -178,11 +179,31 @@ int refine_violations() {
 }
 }  // namespace
 
+// zero_box_rows (common.cuh) zeroes rows len .. 63 of a TMA box as the bytes from 128 len on:
+// in the K-major 128-byte-swizzled tiles of 64-column boxes (a K tile, Lay<T>::TokD_K, boxes
+// 8 KiB apart; a V box, TokTok_K), element (row, col) must lie in bytes [128 row, 128 row + 128)
+// of box col / 64.
+template <class T>
+int row_box_violations(T* base) {
+  using L = Lay<T>;
+  int bad = 0;
+  auto in_row = [](int off_elems, int row, int col) {
+    const int byte = 2 * off_elems, lo = (col / 64) * 8192 + 128 * row;
+    return byte >= lo && byte < lo + 128;
+  };
+  for (int r = 0; r < kC; ++r) {
+    for (int c = 0; c < kDK; ++c) bad += !in_row(offset<typename L::TokD_K>(base, r, c), r, c);
+    for (int c = 0; c < kC; ++c) bad += !in_row(offset<typename L::TokTok_K>(base, r, c), r, c);
+  }
+  return bad;
+}
+
 int main() {
   // Offsets only: any 1024-byte aligned base gives the swizzle its address bits.
   void* raw = std::aligned_alloc(1024, 1024);
-  const int bf = count_mismatches(static_cast<cutlass::bfloat16_t*>(raw));
-  const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw));
+  const int bf = count_mismatches(static_cast<cutlass::bfloat16_t*>(raw)) +
+                 row_box_violations(static_cast<cutlass::bfloat16_t*>(raw));
+  const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw)) + row_box_violations(static_cast<cutlass::half_t*>(raw));
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();

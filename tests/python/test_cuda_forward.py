@@ -181,6 +181,41 @@ def test_next_sequence_keys_beyond_fp16_range():
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+@pytest.mark.parametrize("lens,split_chunks", [([10, 118, 40], None), ([200, 300, 150], 1)])
+def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, split_chunks):
+    # A sequence ending inside a chunk shares the chunk's tiles with the next sequence's first
+    # tokens. Whatever those hold (finite values far beyond the others, Inf, NaN; in q, k, v, g
+    # and beta), the other sequences' o and final states keep their bits. The fused forward
+    # (24 value heads: 72 pairs), whole and split into pieces of one chunk.
+    x = _inputs(lens, 2, 24, "mild", seed=31)
+    cu = x["cu_seqlens"].tolist()
+
+    def run(y):
+        o, ht = qla.chunk_gated_delta_rule(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["initial_state"],
+                                           output_final_state=True, cu_seqlens=y["cu_seqlens"],
+                                           split=None if split_chunks is None else True, split_chunks=split_chunks)
+        torch.cuda.synchronize()
+        return o, ht
+
+    o_ref, h_ref = run(x)
+    assert not torch.isnan(o_ref).any() and not torch.isnan(h_ref).any()
+    for bad in (1, 2):  # the sequence whose tokens change
+        t = slice(cu[bad], cu[bad + 1])
+        for value in (2.0 ** 26, float("inf"), float("nan")):
+            y = {n: (a.clone() if isinstance(a, torch.Tensor) else a) for n, a in x.items()}
+            for n in ("q", "k", "v"):
+                y[n][:, t] = (value * torch.randn_like(y[n][:, t], dtype=torch.float32)).to(y[n].dtype)
+            for n in ("g", "beta"):
+                y[n][:, t] = value
+            o, ht = run(y)
+            for n in range(len(lens)):
+                if n == bad:
+                    continue
+                s = slice(cu[n], cu[n + 1])
+                assert torch.equal(o[:, s], o_ref[:, s]), f"sequence {n}'s o changed with sequence {bad} at {value}"
+                assert torch.equal(ht[n], h_ref[n]), f"sequence {n}'s state changed with sequence {bad} at {value}"
+
+
 def test_qk_l2norm_in_kernel_hint_path():
     # use_qk_l2norm_in_kernel=True normalises q, k and tells the core they are unit rows.
     x = _spread_norms(_inputs([1000, 24], 4, 16, "mild", seed=22), lo=-3.0, hi=3.0)
