@@ -10,15 +10,15 @@
 //       into a staging buffer, `oready` / `ofree`) to o.
 //   WG1 aux, running ahead of the chain: scales K and Q rows by powers of two (exponents from
 //       the inverse kernel, row norms near 1) and converts them to fp16 in place;
-//       A = scale e^(gamma_i - gamma_j) Q K^T (i >= j), then W = A Tu as an fp16 image under Tu;
+//       A = e^(gamma_i - gamma_j) Q K^T (i >= j), then W = A Tu as an fp16 image under Tu;
 //       then arrives on `aready`.
 //   WG2.. math, 64 v rows each: the state held transposed, S^T (v, d), in fp32 wgmma
 //       accumulators; every product takes its left operand from registers (RS wgmma, fp16),
 //       all with N = 128:
 //         [Y^T | P^T] = S^T [K; Q]^T                                        (64 x 128 x 128)
 //         Z^T = V^T - Y^T diag(e^gamma)
-//         [U^T | O^T] = [0 | P^T diag(scale e^gamma)] + Z^T [Tu; W]^T         (64 x 128 x 64)
-//           (U^T A^T = Z^T Tu^T A^T = Z^T W^T)
+//         [U^T | O^T] = [0 | P^T diag(e^gamma)] + Z^T [Tu; W]^T               (64 x 128 x 64)
+//           (U^T A^T = Z^T Tu^T A^T = Z^T W^T; o = scale O)
 //         S^T = e^Gamma S^T + X^T K, X^T = U^T diag(e^(Gamma - gamma))        (64 x 128 x 64)
 //       O leaves by stmatrix.trans while S^T updates.
 // fp16 range: every value-side quantity (S, Z, U, X, O) is linear in (v, h0), and each v row of
@@ -55,8 +55,8 @@ struct FusedCfg {
   //   Tu|W one 128-row operand (TW_K): rows 0-63 Tu (the region's image), 64-127 W = A Tu (the
   //        aux), so that [U^T | (A U)^T] = Z^T [Tu; W]^T is one N = 128 product;
   //   the region's gates and key exponents (inverse.cuh), then the aux's per-token factors for
-  //   the math warpgroups (fp32 x 64 each): Z's e^gamma 2^-ek, P's scale e^gamma 2^et and O's
-  //   way back 2^-(eq + et) (see the aux).
+  //   the math warpgroups (fp32 x 64 each): Z's e^gamma 2^-ek, P's e^gamma 2^et and O's
+  //   way back scale 2^-(eq + et) (see the aux).
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2, kTu = kTW;
   static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;
   static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
@@ -278,14 +278,17 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
   QLA_PHASE(2);
   // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
   // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
-  // 2^-et) is S's update. O holds 2^(eq + et) O: W' = A' Tu' with A' = diag(2^eq) A
-  // diag(2^ek) (from Q', K'), so P (2^eq P) takes scale e^gamma 2^et.
+  // 2^-et) is S's update. O holds 2^(eq + et) O / scale: W' = A' Tu' with A' = diag(2^eq) A
+  // diag(2^ek) / scale (from Q', K'), so P (2^eq P) takes e^gamma 2^et, and O's way back
+  // carries scale. scale stays out of the fp16 scores A', which it would push out of fp16's
+  // range (|scale| >~ 3e4: Inf) or into its subnormals (|scale| <~ 1e-4), and into the fp32
+  // factor of the output alone.
   if (wt < kC) {
-    reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = pow2i(-(qexp[wt] + et));
+    reinterpret_cast<float*>(stb + Cfg::kInvTok)[wt] = p.scale * pow2i(-(qexp[wt] + et));
     float* g = reinterpret_cast<float*>(stb + Cfg::kGates);
     const float eg = g[(kInvEg - kInvGam) / 4 + wt];
     reinterpret_cast<float*>(stb + Cfg::kEgZ)[wt] = eg * pow2i(-kexp[wt]);
-    reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = p.scale * eg * pow2i(et);
+    reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = eg * pow2i(et);
     g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
   }
   fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
@@ -297,11 +300,11 @@ using AuxMma = decltype(make_tiled_mma(
     GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>()));
 using AuxAcc = decltype(partition_fragment_C(AuxMma{}, Shape<_64, _64>{}));
 
-// A_ij = scale e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0, from Q' K'^T (the K|Q
-// operand sQK, fp16), as W's fp16 register operand; then acc = W = A Tu (sTu: the Tu image, read
-// as (j, j'), MN-major).
+// A_ij = e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (scale is O's factor), from
+// Q' K'^T (the K|Q operand sQK, fp16), as W's fp16 register operand; then acc = W = A Tu (sTu:
+// the Tu image, read as (j, j'), MN-major).
 __device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const cutlass::half_t* sTu, const float* sGam,
-                                             int len, float scale, int wt, AuxAcc& acc QLA_PHASE_ARGS) {
+                                             int len, int wt, AuxAcc& acc QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   auto mma = AuxMma{};
   auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
@@ -325,7 +328,7 @@ __device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const c
     const int r = get<0>(cc(i)), j = get<1>(cc(i));
     const float gr = sGam[r];
     const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-    const float sr = r < len ? scale : 0.f;
+    const float sr = r < len ? 1.f : 0.f;
     rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
     rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
   }
@@ -638,7 +641,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       aux_convert_qk<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
       if constexpr (!kLean) {  // (the lean step's [U] = Z Tu^T alone needs no scores)
         QLA_PHASE(3);
-        aux_scores_w(sQK, sTW, sGam, len, p.scale, wt, acc QLA_PHASE_PASS);
+        aux_scores_w(sQK, sTW, sGam, len, wt, acc QLA_PHASE_PASS);
         // W as fp16 into rows 64-127 of the Tu|W operand.
         Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
         stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i); });
@@ -758,7 +761,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     QLA_PHASE(2);
 
     // Z^T = V^T - Y^T diag(e^gamma), in the row units (Y' = 2^ek Y: the aux's e^gamma 2^-ek);
-    // then the left half becomes 0 and the right one P^T diag(scale e^gamma) (in O's per-token
+    // then the left half becomes 0 and the right one P^T diag(e^gamma) (in O's per-token
     // units, the aux's factor), which the next product adds to.
     CUTE_UNROLL
     for (int k = 0; k < 16; ++k) {
@@ -775,7 +778,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       accT(kHalf + i + 1) *= ep.y;
     }
     QLA_PHASE(3);
-    // [U^T | O^T] = [0 | P^T diag(scale e^gamma)] + Z^T [Tu; W]^T, W = A Tu (the aux): U^T A^T = Z^T W^T.
+    // [U^T | O^T] = [0 | P^T diag(e^gamma)] + Z^T [Tu; W]^T, W = A Tu (the aux): U^T A^T = Z^T W^T.
     Tensor rTW = thrN.partition_fragment_B(make_tensor(make_smem_ptr(sTW), TW_K{}));
     warpgroup_fence_operand(rZ16);
     warpgroup_fence_operand(accT);

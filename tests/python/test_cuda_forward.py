@@ -216,6 +216,17 @@ def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, spl
                 assert torch.equal(ht[n], h_ref[n]), f"sequence {n}'s state changed with sequence {bad} at {value}"
 
 
+@pytest.mark.parametrize("scale", [7e4, 1e-5])
+def test_scale_far_from_the_usual_in_the_fused_forward(scale):
+    # scale multiplies o alone. Folded into the fused forward's fp16 scores A it overflowed them
+    # (7e4 with q = k: Inf, o NaN) or sent them into subnormals (1e-5: o 5.5e-2 in the host
+    # model). 48 pairs: the fused forward.
+    x = _inputs([300, 200], 2, 24, "mild", seed=37)
+    x["q"] = x["k"].clone()
+    e_o, e_h = _check(x, scale=scale)
+    assert e_o < TOL and e_h < TOL, (e_o, e_h)
+
+
 def test_qk_l2norm_in_kernel_hint_path():
     # use_qk_l2norm_in_kernel=True normalises q, k and tells the core they are unit rows.
     x = _spread_norms(_inputs([1000, 24], 4, 16, "mild", seed=22), lo=-3.0, hi=3.0)
