@@ -494,8 +494,9 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   const int hq = hv / (p.HV / p.H);
 
   // Q, K, V tiles by TMA (two 64-column boxes each = the two K-blocks of the GMMA tile). Rows
-  // past the sequence end are the next sequence's tokens (zeros past the tensor end): finite,
-  // and their beta is 0 below, so they reach neither L, Tm, w nor u; their A rows are never used.
+  // past the sequence end are the next sequence's tokens (zeros past the tensor end): zeroed
+  // once they land, so that whatever they hold (Inf x 0 is NaN) reaches none of this chunk's
+  // products.
   if (tid == 0) {
     mbar_expect_tx(bar, 3 * kQKBytes);
     const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
@@ -528,6 +529,16 @@ __device__ __forceinline__ void prep_region(const PrepParams& p, uint8_t* sm, in
   Tensor tK = make_tensor(make_smem_ptr(sK), typename L::TokD_K{});
   Tensor tVmn = make_tensor(make_smem_ptr(sV), typename L::DTok_MN{});  // (v, tok)
   mbar_wait(bar, phase);
+  if (len < kC) {  // the sequence's last chunk
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      zero_box_rows(smem_u32(sm + kPrepQ + h * kQKBytes / 2), len, tid, 128);
+      zero_box_rows(smem_u32(sm + kPrepK + h * kQKBytes / 2), len, tid, 128);
+      zero_box_rows(smem_u32(sm + kPrepV + h * kQKBytes / 2), len, tid, 128);
+    }
+    fence_async_smem();  // the generic stores before the wgmma's reads
+    wg_bar(barid);
+  }
 
   // K K^T and Q K^T (64 x 64 x 128).
   auto mma1 = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());

@@ -170,7 +170,8 @@ __device__ __forceinline__ void produce_chunks(const RecParams& p, uint8_t* sm, 
     const uint8_t* src = regions + (static_cast<size_t>(ci0 + c) * p.HV + hv) * kRegionBytes;
     uint8_t* dst = sm + st * Cfg::kStageBytes;
     // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
-    // finite, and harmless (their O rows are not stored, their X rows are zero).
+    // the state warpgroup zeroes K's (S's update contracts over tokens); Q's reach only O rows
+    // that are not stored.
     const int tok = static_cast<int>(t0) + c * kC;
     mbar_wait(&empty[st], ((c / kStages) & 1) ^ 1);
     if (p.ready) {  // overlapped mode: the region is written by a concurrently running prep
@@ -320,6 +321,14 @@ __global__ void __launch_bounds__(288, 1) gdn_recur_ws(const __grid_constant__ R
         }
       }
       mbar_wait(&full[st], (c / kStages) & 1);
+      if (const int64_t left = slen - static_cast<int64_t>(c) * kC; left < kC) {
+        // The sequence's last chunk: K's rows past its end zeroed (their X rows are zero, and
+        // 0 x Inf would be NaN), before the products read the stage.
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sK) + h * kQKBytes / 2, static_cast<int>(left), wt, 128);
+        fence_async_smem();
+        math_bar();
+      }
       Tensor rWh = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::TokD_K{}));
       Tensor rKt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(sK), typename L::DTok_MN{}));
       Tensor rSh = thrU.partition_fragment_B(make_tensor(make_smem_ptr(sbuf(par)), typename RL::VD_MN{}));

@@ -181,13 +181,15 @@ def test_next_sequence_keys_beyond_fp16_range():
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
-@pytest.mark.parametrize("lens,split_chunks", [([10, 118, 40], None), ([200, 300, 150], 1)])
-def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, split_chunks):
+@pytest.mark.parametrize("lens,H,HV,split_chunks", [([10, 118, 40], 2, 24, None), ([200, 300, 150], 2, 24, 1),
+                                                     ([10, 118, 40], 1, 2, None)])
+def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, H, HV, split_chunks):
     # A sequence ending inside a chunk shares the chunk's tiles with the next sequence's first
     # tokens. Whatever those hold (finite values far beyond the others, Inf, NaN; in q, k, v, g
     # and beta), the other sequences' o and final states keep their bits. The fused forward
-    # (24 value heads: 72 pairs), whole and split into pieces of one chunk.
-    x = _inputs(lens, 2, 24, "mild", seed=31)
+    # (24 value heads: 72 pairs), whole and split into pieces of one chunk, and the two-pass
+    # forward (6 pairs of short sequences).
+    x = _inputs(lens, H, HV, "mild", seed=31)
     cu = x["cu_seqlens"].tolist()
 
     def run(y):
