@@ -208,6 +208,14 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
         bulk_commit();
       }
       mbar_wait(&full[st], (it / kStages) & 1);
+      if (const int len = static_cast<int>(slen - static_cast<int64_t>(c) * kC); len < kC) {
+        // The sequence's last chunk (the first here): K's rows past its end zeroed before the
+        // products (the next sequence's tokens: 0 x Inf would be NaN).
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(stb + Cfg::kStK) + h * kQKBytes / 2, len, wt, 128);
+        fence_async_smem();
+        math_bar();
+      }
       Tensor rK = thrU.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb + Cfg::kStK)), typename L::TokD_K{}));
       Tensor rWt = thrS.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<T*>(stb) + kOffWh), typename L::DTok_MN{}));
 
@@ -283,6 +291,15 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
       T* sO = reinterpret_cast<T*>(stb + Cfg::kStO);
       const float* sG = reinterpret_cast<const float*>(stb + Cfg::kStG);
       mbar_wait(&full[st], (it / kStages) & 1);
+      if (const int len = static_cast<int>(slen - static_cast<int64_t>(nch - 1 - it) * kC); len < kC) {
+        // The sequence's last chunk (the first here): Q's and dO's rows past its end zeroed
+        // (dO's box: 32 columns, rows of 64 bytes) before anything reads them (the fence below
+        // orders them before the products).
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(stb + Cfg::kStQ) + h * kQKBytes / 2, len, wt, 128);
+        zero_box_rows(smem_u32(sO), len, wt, 128, 2 * VT);
+        asm volatile("bar.sync 2, 128;" ::: "memory");  // side warpgroup only
+      }
 
       // dOg = diag(scale e^gamma) dO as hi/lo (v, tok) images (pairs of adjacent v). The
       // previous iteration's products have read them: every side warp passed its wgmma wait
@@ -496,9 +513,10 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   const size_t region = static_cast<size_t>(ci) * p.HV + hv;
   const uint8_t* regb = static_cast<const uint8_t*>(p.regions) + region * kRegionBytes;
 
-  // Rows of the TMA tiles past the sequence end hold the next sequence's tokens: every product
-  // below either meets a zero there (beta, the gates, U, dU, W and the A rows are zero on
-  // padding) or is masked (dA and R rows), and no output row past the end is stored.
+  // Rows of the TMA tiles past the sequence end hold the next sequence's tokens: zeroed once
+  // they land (Q, K, dO, then V), so that whatever they hold (0 x Inf would be NaN) no product
+  // below sees them; the other operands are zero there too (beta, the gates, U, dU, W and the A
+  // rows) or masked (dA and R rows), and no output row past the end is stored.
   if (tid == 0) {
     for (int i = 0; i < 3; ++i) mbar_init(&bar[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -563,6 +581,16 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   // a_i, x_i, dbeta_i partials (quad-reduced) and my partial row sums of R (not yet).
   float aR[2] = {0.f, 0.f}, xR[2] = {0.f, 0.f}, dbR[2] = {0.f, 0.f}, rR[2] = {0.f, 0.f};
   mbar_wait(&bar[0], 0);
+  if (len < kC) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      zero_box_rows(smem_u32(sm + kGsA + h * kQKBytes / 2), len, tid, 256);
+      zero_box_rows(smem_u32(sm + kGsB + h * kQKBytes / 2), len, tid, 256);
+      zero_box_rows(smem_u32(sm + kGsC + h * kQKBytes / 2), len, tid, 256);
+    }
+    fence_async_smem();
+    __syncthreads();
+  }
 
   // (B15) U = Uv - W S; U, X = diag(e^(Gamma-gamma)) U and Uv as 16-bit images.
   mma_ss(mma_kmn, wt, img(sW), half(ddT(sS)), acc, false);
@@ -662,6 +690,12 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) acc(i) = -acc(i);
   mbar_wait(&bar[2], 0);
+  if (len < kC) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sm + kGsC + h * kQKBytes / 2), len, tid, 256);
+    fence_async_smem();
+    __syncthreads();
+  }
   {
     const float2 d1 = row_dot<T, typename L::TokD_K>(acc, cc, sV, co);
     dbR[0] += d1.x;

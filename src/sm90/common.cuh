@@ -530,13 +530,15 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// Rows len .. kC - 1 of a TMA box of kC rows of 128 bytes (64 16-bit columns, 128-byte swizzle:
-// the swizzle permutes a row's 16-byte chunks within its own 128 bytes) set to zero by
-// `threads` threads (index tid). A sequence's last chunk tile also holds the next sequence's
-// first tokens (or TMA's zeros past the tensor): zeroed, they cannot reach this sequence's
-// products, whatever they hold (Inf x 0 would be NaN), nor its units.
-__device__ __forceinline__ void zero_box_rows(uint32_t box, int len, int tid, int threads) {
-  for (uint32_t off = 128u * len + 16u * tid; off < 128u * kC; off += 16u * threads) sts128(box + off, make_uint4(0u, 0u, 0u, 0u));
+// Rows len .. kC - 1 of a TMA box of kC token rows of row_bytes bytes (128: 64 16-bit columns
+// with 128-byte swizzle; 64: 32 columns with 64-byte swizzle; the swizzle permutes a row's
+// 16-byte chunks within the row's own bytes) set to zero by `threads` threads (index tid). A
+// sequence's last chunk tile also holds the next sequence's first tokens (or TMA's zeros past
+// the tensor): zeroed, they cannot reach this sequence's products, whatever they hold
+// (Inf x 0 would be NaN), nor its units.
+__device__ __forceinline__ void zero_box_rows(uint32_t box, int len, int tid, int threads, uint32_t row_bytes = 128) {
+  for (uint32_t off = row_bytes * len + 16u * tid; off < row_bytes * kC; off += 16u * threads)
+    sts128(box + off, make_uint4(0u, 0u, 0u, 0u));
 }
 __device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");

@@ -179,10 +179,11 @@ int refine_violations() {
 }
 }  // namespace
 
-// zero_box_rows (common.cuh) zeroes rows len .. 63 of a TMA box as the bytes from 128 len on:
-// in the K-major 128-byte-swizzled tiles of 64-column boxes (a K tile, Lay<T>::TokD_K, boxes
+// zero_box_rows (common.cuh) zeroes rows len .. 63 of a TMA box as the bytes from row_bytes len
+// on: in the K-major 128-byte-swizzled tiles of 64-column boxes (a K tile, Lay<T>::TokD_K, boxes
 // 8 KiB apart; a V box, TokTok_K), element (row, col) must lie in bytes [128 row, 128 row + 128)
-// of box col / 64.
+// of box col / 64; in the reverse chain's dO box (RecLay<T, 32>::VTok_MN, (v, tok), 64-byte
+// swizzle), element (v, tok) in bytes [64 tok, 64 tok + 64).
 template <class T>
 int row_box_violations(T* base) {
   using L = Lay<T>;
@@ -194,6 +195,10 @@ int row_box_violations(T* base) {
   for (int r = 0; r < kC; ++r) {
     for (int c = 0; c < kDK; ++c) bad += !in_row(offset<typename L::TokD_K>(base, r, c), r, c);
     for (int c = 0; c < kC; ++c) bad += !in_row(offset<typename L::TokTok_K>(base, r, c), r, c);
+    for (int v = 0; v < 32; ++v) {
+      const int byte = 2 * offset<typename RecLay<T, 32>::VTok_MN>(base, v, r);
+      bad += byte < 64 * r || byte >= 64 * r + 64;
+    }
   }
   return bad;
 }

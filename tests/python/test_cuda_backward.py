@@ -164,3 +164,44 @@ def test_backward_fp16_strided_inputs_bf16_gates():
         assert a.dtype == b.dtype, name
         tol = 1e-2 if name == "dg" else 5e-3
         assert rel_err(a.cpu(), b) <= tol, (name, rel_err(a.cpu(), b))
+
+
+@pytest.mark.parametrize("H,HV", [(2, 24), (1, 2)])
+def test_a_sequence_s_gradients_do_not_depend_on_the_next_sequence_s_tokens(H, HV):
+    # A sequence ending inside a chunk shares the chunk's tiles with the next sequence's first
+    # tokens. Whatever those hold (q, k, v, g, beta and dO far beyond the others, Inf, NaN), the
+    # other sequences' gradients keep their bits. 72 pairs (the fused forward) and 6 (two-pass).
+    lens = [10, 118, 40]
+    x = _inputs(lens, H, HV, "mild", seed=41)
+    do, dht = _upstream(x, 43)
+    cu = x["cu_seqlens"].tolist()
+
+    def grads(y, d_o):
+        leaves = {n: y[n].detach().clone().requires_grad_(True) for n in NAMES}
+        o, ht = qla.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                                           initial_state=leaves["initial_state"], output_final_state=True,
+                                           cu_seqlens=y["cu_seqlens"])
+        torch.autograd.backward([o, ht], [d_o, dht])
+        torch.cuda.synchronize()
+        return {n: leaves[n].grad for n in NAMES}
+
+    ref = grads(x, do)
+    assert not any(torch.isnan(ref[n]).any() for n in NAMES)
+    for bad in (1, 2):  # the sequence whose tokens change
+        t = slice(cu[bad], cu[bad + 1])
+        for value in (2.0 ** 26, float("inf"), float("nan")):
+            y = {n: (a.clone() if isinstance(a, torch.Tensor) else a) for n, a in x.items()}
+            for n in ("q", "k", "v"):
+                y[n][:, t] = (value * torch.randn_like(y[n][:, t], dtype=torch.float32)).to(y[n].dtype)
+            for n in ("g", "beta"):
+                y[n][:, t] = value
+            d_o = do.clone()
+            d_o[:, t] = (value * torch.randn_like(d_o[:, t], dtype=torch.float32)).to(d_o.dtype)
+            got = grads(y, d_o)
+            for n in range(len(lens)):
+                if n == bad:
+                    continue
+                s = slice(cu[n], cu[n + 1])
+                for name in ("q", "k", "v", "g", "beta"):
+                    assert torch.equal(got[name][:, s], ref[name][:, s]), (name, n, bad, value)
+                assert torch.equal(got["initial_state"][n], ref["initial_state"][n]), ("initial_state", n, bad, value)
