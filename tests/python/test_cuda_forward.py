@@ -181,6 +181,29 @@ def test_next_sequence_keys_beyond_fp16_range():
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+POISONS = (2.0 ** 26, float("inf"), float("nan"))
+
+
+def poison(t, value):
+    """t scaled by value (far beyond the others, Inf or NaN), in t's dtype."""
+    return (value * torch.randn_like(t, dtype=torch.float32)).to(t.dtype)
+
+
+def poisoned_sequences(x):
+    """(bad, value, y) for sequences 1 and 2 of x and each of POISONS: y is x with sequence bad's
+    q, k, v, g and beta replaced by poison values."""
+    cu = x["cu_seqlens"].tolist()
+    for bad in (1, 2):
+        t = slice(cu[bad], cu[bad + 1])
+        for value in POISONS:
+            y = {n: (a.clone() if isinstance(a, torch.Tensor) else a) for n, a in x.items()}
+            for n in ("q", "k", "v"):
+                y[n][:, t] = poison(y[n][:, t], value)
+            for n in ("g", "beta"):
+                y[n][:, t] = value
+            yield bad, value, y
+
+
 @pytest.mark.parametrize("lens,H,HV,split_chunks", [([10, 118, 40], 2, 24, None), ([200, 300, 150], 2, 24, 1),
                                                      ([10, 118, 40], 1, 2, None)])
 def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, H, HV, split_chunks):
@@ -201,21 +224,14 @@ def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, H, 
 
     o_ref, h_ref = run(x)
     assert not torch.isnan(o_ref).any() and not torch.isnan(h_ref).any()
-    for bad in (1, 2):  # the sequence whose tokens change
-        t = slice(cu[bad], cu[bad + 1])
-        for value in (2.0 ** 26, float("inf"), float("nan")):
-            y = {n: (a.clone() if isinstance(a, torch.Tensor) else a) for n, a in x.items()}
-            for n in ("q", "k", "v"):
-                y[n][:, t] = (value * torch.randn_like(y[n][:, t], dtype=torch.float32)).to(y[n].dtype)
-            for n in ("g", "beta"):
-                y[n][:, t] = value
-            o, ht = run(y)
-            for n in range(len(lens)):
-                if n == bad:
-                    continue
-                s = slice(cu[n], cu[n + 1])
-                assert torch.equal(o[:, s], o_ref[:, s]), f"sequence {n}'s o changed with sequence {bad} at {value}"
-                assert torch.equal(ht[n], h_ref[n]), f"sequence {n}'s state changed with sequence {bad} at {value}"
+    for bad, value, y in poisoned_sequences(x):
+        o, ht = run(y)
+        for n in range(len(lens)):
+            if n == bad:
+                continue
+            s = slice(cu[n], cu[n + 1])
+            assert torch.equal(o[:, s], o_ref[:, s]), f"sequence {n}'s o changed with sequence {bad} at {value}"
+            assert torch.equal(ht[n], h_ref[n]), f"sequence {n}'s state changed with sequence {bad} at {value}"
 
 
 @pytest.mark.parametrize("scale", [7e4, 1e-5])
