@@ -273,7 +273,8 @@ if want scan-ab; then
   # (carry .ab); SCAN_OLD_ENV: the old binary's environment (e.g. QLA_TEST_SCAN_MMA=1 for a
   # build that had that hook). The new binary's --split and default suites, the scan's ncu time
   # at 2/8 1x32768 (bench row 2) at the plan's pieces and at pieces of 16 and 8 chunks (31 and
-  # 63 steps) for both, then the new split bench. About 200 s.
+  # 63 steps) for both, the new scan's step without its copies or products (timing variants),
+  # then the new split bench. About 220 s.
   {
     echo "== new: suite --split"
     timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
@@ -290,6 +291,14 @@ if want scan-ab; then
           | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
         echo
       done
+    done
+    # What sets the scan's step (pieces of 8 chunks, 63 steps; results wrong): as is, without
+    # M's copies (16), without the products (32), without both (48).
+    for sk in 0 16 32 48; do
+      echo "== new: scan without (skip $sk): us (K1, pass 0, scan, pass 1)"
+      QLA_TEST_FUSED_SKIP=$sk QLA_TEST_SPLIT_CHUNKS=8 ncu --clock-control none --metrics gpu__time_duration.sum \
+        -k regex:gdn_fwd .ab/fwd_new --profile 2 2>&1 | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
+      echo
     done
     echo "== new: split-bench"
     timeout 200 .ab/fwd_new --split --bench 2>&1 | grep "^bench-split"

@@ -766,7 +766,8 @@ int main(int argc, char** argv) {
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
-  // The tensor-core scan with 1 or 3 tf32 products (split-11): every suite and bench with it.
+  // Timing variants for --profile runs (RecParams::skip: results wrong).
+  if (const char* e = std::getenv("QLA_TEST_FUSED_SKIP")) qla::sm90::set_test_fused_skip(std::atoi(e));
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
