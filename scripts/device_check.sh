@@ -310,9 +310,9 @@ if want stalls; then
   # Where the loaded chunk step and the scan's step go (issue 12's open question, docs/design.md
   # split-9): ncu's warp-state, scheduler and memory sections for one launch of the fused
   # recurrence at 16/32 8192x4 (bench row 1, V tile 128, every SM busy) and at 2/8 1x32768's
-  # pass 1 (row 2), and for the scan of row 2; the
-  # memory lines (DRAM and L2) say how far the loaded step is from the bytes. Full reports in $LOGS/stalls_*.txt
-  # (the log tarball); the stall lines here. Binary: .ab/fwd_new (carry .ab). About 20 s.
+  # pass 1 (row 2), and for the scan of row 2; the memory lines (DRAM and L2) say how far the
+  # loaded step is from the bytes. Full reports in $LOGS/stalls_*.txt (the log tarball); the
+  # stall lines here. Binary: .ab/fwd_new (carry .ab). About 20 s.
   b=.ab/fwd_new
   secs=(--section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats)
   run_ncu() {  # tag, kernel regex, launch skip, row, env...

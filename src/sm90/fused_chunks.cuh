@@ -384,7 +384,8 @@ __device__ __forceinline__ void load_entering_state(const RecParams& p, int init
 }
 
 // The state leaving a CTA's chunks (row v in units 2^esc): the final state or the piece's maps
-// (written only by split calls' pass 0, the lean kernel: kLean).
+// (written only by split calls' pass 0, the lean kernel: kLean; the maps' tf32 rounding compiled
+// into the other kernels too cost the V tile 128 one 4-12 more bytes of spill stores and loads).
 template <bool kLean, class AccS, class CS>
 __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end, int n, int hv, int v0, float* maps,
                                                     const AccS& accS, const CS& cS, const int (&esc)[2]) {
