@@ -17,6 +17,9 @@ namespace {
 
 using Desc = std::array<int64_t, 5>;  // data_ptr, dtype, stride0, stride1, stride2
 using Shape = std::array<int64_t, 6>;  // B, T, H, HV, K, V
+// State pools: initial-state indices (data_ptr, dtype), final-state indices (data_ptr, dtype),
+// the initial and the final pool's slot counts; data_ptr 0: no indices.
+using Pools = std::array<int64_t, 6>;
 
 qla::TensorRef in(const Desc& d) {
   qla::TensorRef r;
@@ -36,6 +39,13 @@ qla::MutTensorRef out(const Desc& d) {
   r.stride[1] = d[3];
   r.stride[2] = d[4];
   return r;
+}
+
+void set_pools(qla::GdnForwardParams& p, const Pools& pools) {
+  p.initial_state_indices = in({pools[0], pools[1], 1, 0, 0});
+  p.final_state_indices = in({pools[2], pools[3], 1, 0, 0});
+  p.initial_state_slots = pools[4];
+  p.final_state_slots = pools[5];
 }
 
 qla::GdnShape shape_of(const Shape& s) { return {s[0], s[1], s[2], s[3], s[4], s[5]}; }
@@ -115,10 +125,12 @@ NB_MODULE(_C, m) {
       "forward_workspace_size",
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
-         int device, bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host) {
+         int device, bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host,
+         const Pools& pools) {
         // The options that choose the CUDA forward's path also set its workspace, and so do the
         // host lengths (cu_host: N + 1 int64 values on the host, or 0), which its plan reads.
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, 0, 0, 0);
+        set_pools(p, pools);
         p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.qk_l2_normalized = qk_l2_normalized;
         p.split = static_cast<qla::SplitMode>(split);
@@ -134,9 +146,11 @@ NB_MODULE(_C, m) {
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& o, const Desc& ht, double scale, int layout,
          int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads,
-         bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host) {
+         bool qk_l2_normalized, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host,
+         const Pools& pools) {
         auto p = forward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, o, ht, scale, layout, device, stream,
                                 workspace, workspace_bytes);
+        set_pools(p, pools);
         p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.num_threads = num_threads;
         p.qk_l2_normalized = qk_l2_normalized;

@@ -17,6 +17,7 @@
 //   v, o            [B, T, HV, V]     HV a multiple of H; value head i reads q/k head i / (HV/H)
 //   g, beta         [B, T, HV]
 //   initial/final   [N, HV, K, V]     (or [N, HV, V, K] with StateLayout::kVK), fp32
+//                   (or pools [slots, HV, ..] read and written through per-sequence indices)
 //   cu_seqlens      [N + 1]           int32 or int64, requires B == 1
 // N = B without cu_seqlens, N = num_seqs with it.
 // Strides are in elements. The last dimension of every tensor must be contiguous
@@ -129,6 +130,23 @@ struct GdnForwardParams {
   // written): fp32, same layout rules as initial_state.
   MutTensorRef o;
   MutTensorRef final_state;
+
+  // Optional state pools (an inference engine keeps each request's state in a slot of one tensor
+  // and reads and writes it in place). initial_state_indices (data == nullptr: none): int32 or
+  // int64 [N], contiguous (device memory for kCuda); initial_state is then a pool of
+  // initial_state_slots states, [slots, HV, K, V] (or [slots, HV, V, K]), and sequence n starts
+  // from slot initial_state_indices[n], or from zeros where that index is negative.
+  // final_state_indices likewise: sequence n's final state goes to slot final_state_indices[n] of
+  // final_state, a pool of final_state_slots states, and nowhere where the index is negative.
+  // initial_state and final_state may be one pool: a slot may be written by one sequence only
+  // and read by no other. The CPU backend checks every index and returns an error naming it; the
+  // CUDA forward cannot report (no sync): an index at or past its pool's slots makes it write NaN
+  // to every element of o and of the final slots in range, as for malformed cu_seqlens, and the
+  // other rules are the caller's to keep.
+  TensorRef initial_state_indices;
+  TensorRef final_state_indices;
+  int64_t initial_state_slots = 0;
+  int64_t final_state_slots = 0;
 
   double scale = 0.0;  // multiplies the read; callers usually pass K^-0.5
   StateLayout state_layout = StateLayout::kKV;

@@ -22,6 +22,7 @@ _DTYPE_CODE = {
     torch.int64: 5,
 }
 _NONE = (0, 2, 0, 0, 0)
+_NO_POOLS = (0, 4, 0, 4, 0, 0)  # the binding's Pools: no state-pool indices
 
 
 def _desc(t: Optional[torch.Tensor], name: Optional[str] = None) -> tuple:
@@ -81,8 +82,20 @@ def _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra):
 SPLIT_AUTO, SPLIT_OFF, SPLIT_ON = 0, 1, 2  # the core's SplitMode
 
 
+def _pools(state_pool, initial_state_indices, final_state_indices) -> tuple:
+    """The binding's Pools tuple: each index tensor's (data_ptr, dtype code), then the pool's
+    slot count for each."""
+    if state_pool is None:
+        return _NO_POOLS
+    slots = state_pool.shape[0]
+    i, f = initial_state_indices, final_state_indices
+    return (0 if i is None else i.data_ptr(), 4 if i is None else _DTYPE_CODE[i.dtype],
+            0 if f is None else f.data_ptr(), 4 if f is None else _DTYPE_CODE[f.dtype], slots, slots)
+
+
 def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
-                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0, batch_invariant=False, cu_seqlens_host=None):
+                 qk_normalized, split_mode=SPLIT_AUTO, split_chunks=0, batch_invariant=False, cu_seqlens_host=None,
+                 state_pool=None, initial_state_indices=None, final_state_indices=None):
     """The forward itself; returns (o, final state or None). Called through the custom op
     (autograd, torch.compile) or directly (eager calls that need no graph: the dispatcher
     costs more than the launch). qk_normalized: q and k rows have unit l2 norm (the caller
@@ -92,7 +105,11 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     sequence's result independent of the rest of the call (the core's batch_invariant).
     cu_seqlens_host: cu_seqlens as a contiguous int64 CPU tensor (or None), from which the CUDA
     forward plans its path and pieces by the true longest sequence instead of the bound T; it
-    changes the workspace, so the size is then asked every call instead of cached."""
+    changes the workspace, so the size is then asked every call instead of cached.
+    state_pool (with initial_state_indices and/or final_state_indices, [N] int tensors): sequence
+    n starts from state_pool[initial_state_indices[n]] (zeros where negative; initial_state is
+    then None) and its final state is written into state_pool[final_state_indices[n]] in place
+    (nowhere where negative; the returned final state is then None)."""
     B, T, H, K = q.shape
     _, _, HV, V = v.shape
     n = _num_seqs(q, cu_seqlens)
@@ -101,9 +118,13 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     # (v has q's dtype), the final state initial_state's when their dtypes agree.
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     ht = None
+    if initial_state_indices is not None:
+        initial_state = state_pool  # read through the indices
+    if final_state_indices is not None:
+        ht, output_final_state = state_pool, False  # written in place through the indices
     if output_final_state:
         sdt = state_dtype(q)
-        if initial_state is not None and initial_state.dtype is sdt:
+        if initial_state is not None and initial_state_indices is None and initial_state.dtype is sdt:
             ht = torch.empty_like(initial_state, memory_format=torch.contiguous_format)
         else:
             ht = torch.empty(state_shape(q, v, n, state_v_first), dtype=sdt, device=dev)
@@ -111,17 +132,22 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
     descs = (_desc(q, "q"), _desc(k, "k"), _desc(v, "v"), _desc(g, "g"), _desc(beta, "beta"),
              _desc(initial_state, "initial_state"), _cu_desc(cu_seqlens), n, _desc(o), _desc(ht))
     layout = 1 if state_v_first else 0
+    pools = _pools(state_pool, initial_state_indices, final_state_indices)
+    if final_state_indices is not None:
+        ht = None  # (in the pool)
     if dev.type != "cuda":
         _C.forward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, qk_normalized, split_mode, split_chunks,
-                   batch_invariant, 0)
+                   batch_invariant, 0, pools)
         return o, ht
     if cu_seqlens_host is None:
+        # (pools[0] and pools[2] non-zero: the pool is both read and written, which a split call's
+        # workspace makes room for; the slot count changes nothing)
         key, host_ptr = ("fwd", shape, n, cu_seqlens is None, q.dtype, dev.index, qk_normalized, split_mode,
-                         split_chunks, batch_invariant), 0
+                         split_chunks, batch_invariant, pools[0] != 0 and pools[2] != 0), 0
     else:
         key, host_ptr = None, cu_seqlens_host.data_ptr()
     _run_cuda(_C.forward, _C.forward_workspace_size, key, shape, descs, scale, layout, dev, qk_normalized, split_mode,
-              split_chunks, batch_invariant, host_ptr)
+              split_chunks, batch_invariant, host_ptr, pools)
     return o, ht
 
 
@@ -146,6 +172,43 @@ def gdn_fwd(
     o, ht = forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first,
                          qk_normalized, split_mode, split_chunks, batch_invariant, cu_seqlens_host)
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))  # an op returns tensors
+
+
+@torch.library.custom_op("qla::gdn_fwd_pool", mutates_args=("state_pool",))
+def gdn_fwd_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state_pool: torch.Tensor,
+    initial_state_indices: Optional[torch.Tensor],
+    final_state_indices: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    output_final_state: bool,
+    state_v_first: bool,
+    qk_normalized: bool,
+    split_mode: int,
+    split_chunks: int,
+    batch_invariant: bool,
+    cu_seqlens_host: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with a state pool (forward_impl's state_pool): inference only, no autograd."""
+    o, ht = forward_impl(q, k, v, g, beta, scale, None, cu_seqlens, output_final_state, state_v_first, qk_normalized,
+                         split_mode, split_chunks, batch_invariant, cu_seqlens_host, state_pool, initial_state_indices,
+                         final_state_indices)
+    return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@gdn_fwd_pool.register_fake
+def _gdn_fwd_pool_fake(q, k, v, g, beta, scale, state_pool, initial_state_indices, final_state_indices, cu_seqlens,
+                       output_final_state, state_v_first, qk_normalized, split_mode, split_chunks, batch_invariant,
+                       cu_seqlens_host):
+    o = q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+    if output_final_state and final_state_indices is None:
+        return o, q.new_empty(state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first), dtype=state_dtype(q))
+    return o, q.new_empty((0,), dtype=torch.float32)
 
 
 def needs_dispatch(*tensors) -> bool:

@@ -350,6 +350,70 @@ def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v
     return o, (ht if output_final_state else None)
 
 
+def _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,
+               split_chunks, batch_invariant, cu_seqlens_cpu, qk_normalized, pool, init_idx, final_idx):
+    """chunk_gated_delta_rule with a state pool (inference), after the preprocessing."""
+    if pool is None:
+        raise ValueError("state_pool: expected the pool that initial_state_indices / final_state_indices index, "
+                         "got None")
+    if init_idx is None and final_idx is None:
+        raise ValueError("state_pool: expected initial_state_indices and/or final_state_indices with it, got neither")
+    if initial_state is not None:
+        raise ValueError("initial_state: expected None with state_pool (initial_state_indices reads the pool)")
+    N = _check_inputs(q, k, v, g, beta, None, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    _check_tensor("state_pool", pool, 4, (torch.float32, torch.float64) if q.dtype == torch.float64 else
+                  (torch.float32,))
+    want = _ops.state_shape(q, v, pool.shape[0], state_v_first)
+    if tuple(pool.shape) != want:
+        raise ValueError(f"state_pool: expected shape [S, {', '.join(str(x) for x in want[1:])}] (S slots), got "
+                         f"{_fmt_shape(pool)}")
+    if pool.device != q.device:
+        raise ValueError(f"state_pool: expected a tensor on {q.device} (the device of q), got one on {pool.device}")
+    if pool.numel() > 0 and pool.stride(-1) != 1:
+        raise ValueError(f"state_pool: expected a contiguous last dimension (stride 1), got stride {pool.stride(-1)}")
+    for name, t in (("initial_state_indices", init_idx), ("final_state_indices", final_idx)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.dtype not in _INDEX_DTYPES or t.shape[0] != N:
+            raise ValueError(f"{name}: expected a 1-D int32 or int64 tensor of N={N} entries (one per sequence), got "
+                             f"{t.dim()}-D {t.dtype} of shape {_fmt_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got one on {t.device}")
+        if N > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, pool)):
+        raise ValueError("state_pool: the pool is read and written in place, for inference; expected no tensor that "
+                         "requires grad (call under torch.no_grad(), or pass initial_state for training)")
+    scale = _resolve_scale(scale, q.shape[-1])
+    if q.numel() == 0 or v.numel() == 0:  # no tokens: each written slot takes the state it starts from
+        o = torch.zeros_like(v)
+        if final_idx is not None and N > 0:
+            start = torch.zeros((N,) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+            if init_idx is not None:
+                got = init_idx >= 0
+                start[got] = pool[init_idx[got].long()]
+            wrote = final_idx >= 0
+            pool[final_idx[wrote].long()] = start[wrote]
+        ht = None
+        if output_final_state and final_idx is None:
+            ht = _empty_outputs(q, k, v, g, beta, N, True, None, state_v_first)[1]
+            if init_idx is not None:
+                got = init_idx >= 0
+                ht[got] = pool[init_idx[got].long()]
+        return o, ht
+    host_cu = _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu)
+    if torch.compiler.is_compiling():  # the op that declares the pool's mutation
+        o, ht = _ops.gdn_fwd_pool(q, k, v, g, beta, scale, pool, init_idx, final_idx, cu_seqlens, output_final_state,
+                                  state_v_first, bool(qk_normalized), split_mode, split_chunks, batch_invariant, host_cu)
+    else:
+        o, ht = _ops.forward_impl(q, k, v, g, beta, scale, None, cu_seqlens, output_final_state, state_v_first,
+                                  bool(qk_normalized), split_mode, split_chunks, batch_invariant, host_cu, pool,
+                                  init_idx, final_idx)
+    return o, (ht if output_final_state and final_idx is None else None)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension, computed in fp32 (fp64 for fp64)."""
     xf = x if x.dtype == torch.float64 else x.float()
@@ -378,6 +442,9 @@ def chunk_gated_delta_rule(
     batch_invariant: bool = False,
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     cp_context=None,
+    state_pool: Optional[torch.Tensor] = None,
+    initial_state_indices: Optional[torch.Tensor] = None,
+    final_state_indices: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet, chunked prefill (FLA-compatible; differentiable).
@@ -414,6 +481,17 @@ def chunk_gated_delta_rule(
             rank's equal slice of the packed tokens, cu_seqlens None (the context holds the
             local boundaries), initial_state and the final state per local sequence (qla/cp.py
             says which rows are read and what they hold). Exact, forward and backward.
+        state_pool: a pool of states, [S, HV, K, V] fp32 ([S, HV, V, K] with state_v_first),
+            read and written in place through the two index tensors below (as an inference
+            engine keeps one state slot per request). Inference only: no autograd, no
+            initial_state, no cp_context.
+        initial_state_indices: [N] int32/int64 on q's device: sequence n starts from
+            state_pool[initial_state_indices[n]], from zeros where the index is negative.
+        final_state_indices: [N] int32/int64 on q's device: sequence n's final state is written
+            into state_pool[final_state_indices[n]], nowhere where the index is negative; the
+            returned final state is then None. A slot may be written by one sequence only and
+            read by no other. CPU calls check every index (ValueError); CUDA calls do not
+            synchronise: an index >= S gives NaN in o and in the final slots in range.
         transpose_state_layout: FLA's former name of state_v_first (deprecated).
         chunk_indices, chunk_size: accepted for FLA compatibility.
 
@@ -468,8 +546,14 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if cp_context is not None:
+        if state_pool is not None or initial_state_indices is not None or final_state_indices is not None:
+            raise ValueError("state_pool: expected None with cp_context (state pools are for inference calls)")
         return _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                         split_mode, split_chunks, batch_invariant, cp_context)
+    if state_pool is not None or initial_state_indices is not None or final_state_indices is not None:
+        return _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                          split_mode, split_chunks, batch_invariant, cu_seqlens_cpu, use_qk_l2norm_in_kernel,
+                          state_pool, initial_state_indices, final_state_indices)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace qla {
@@ -115,6 +116,34 @@ Status check_state(const char* name, const void* data, DType dtype, DType qdtype
   return invalid(std::string(name) + ": expected dtype float32 (or float64 with float64 inputs), got " + dt(dtype));
 }
 
+// A state pool's indices (GdnForwardParams::initial_state_indices / final_state_indices): int32
+// or int64 [N] beside a pool; on the CPU (host memory) each value, negative (none) or below the
+// pool's slots, into *vals.
+Status check_pool_indices(const char* name, const TensorRef& idx, const char* pool_name, const void* pool,
+                          const char* slots_name, int64_t slots, int64_t n, Device dev, std::vector<int64_t>* vals) {
+  if (idx.data == nullptr) return Status::Ok();
+  if (idx.dtype != DType::kInt32 && idx.dtype != DType::kInt64)
+    return invalid(std::string(name) + ": expected dtype int32 or int64, got " + dt(idx.dtype));
+  if (pool == nullptr)
+    return invalid(std::string(name) + ": expected " + pool_name + " (the pool its entries index) to be given, got null");
+  if (slots < 0)
+    return invalid(std::string(slots_name) + ": expected the pool's slot count (>= 0), got " + std::to_string(slots));
+  if (dev != Device::kCpu) return Status::Ok();  // device values: checked on the device (NaN outputs)
+  vals->resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t x = idx.dtype == DType::kInt32 ? static_cast<const int32_t*>(idx.data)[i]
+                                                 : static_cast<const int64_t*>(idx.data)[i];
+    if (x >= slots) {
+      std::ostringstream os;
+      os << name << ": expected entries below " << slots_name << "=" << slots << " (negative: no state), got " << x
+         << " at index " << i;
+      return invalid(os.str());
+    }
+    (*vals)[i] = x;
+  }
+  return Status::Ok();
+}
+
 template <typename P>
 Status check_common(const P& p) {
   QLA_TRY(check_shape(p.shape));
@@ -159,6 +188,37 @@ Status validate_forward(const GdnForwardParams& p) {
   if (p.split_chunks < 0)
     return Status::Error(StatusCode::kInvalidArgument,
                          "split_chunks: expected >= 0 (0: automatic), got " + std::to_string(p.split_chunks));
+  const int64_t n = p.cu_seqlens.data ? p.num_seqs : p.shape.batch;
+  std::vector<int64_t> reads, writes;
+  QLA_TRY(check_pool_indices("initial_state_indices", p.initial_state_indices, "initial_state", p.initial_state.data,
+                             "initial_state_slots", p.initial_state_slots, n, p.device, &reads));
+  QLA_TRY(check_pool_indices("final_state_indices", p.final_state_indices, "final_state", p.final_state.data,
+                             "final_state_slots", p.final_state_slots, n, p.device, &writes));
+  if (!writes.empty()) {
+    // No two sequences write one slot, and, in one pool, none reads a slot another writes.
+    std::unordered_map<int64_t, int64_t> writer;
+    for (int64_t i = 0; i < n; ++i) {
+      if (writes[i] < 0) continue;
+      auto it = writer.emplace(writes[i], i);
+      if (!it.second) {
+        std::ostringstream os;
+        os << "final_state_indices: expected distinct slots, got " << writes[i] << " at indices " << it.first->second
+           << " and " << i;
+        return invalid(os.str());
+      }
+    }
+    const bool one_pool = p.initial_state.data == p.final_state.data;
+    for (int64_t i = 0; one_pool && i < static_cast<int64_t>(reads.size()); ++i) {
+      auto it = reads[i] >= 0 ? writer.find(reads[i]) : writer.end();
+      if (it != writer.end() && it->second != i) {
+        std::ostringstream os;
+        os << "initial_state_indices: slot " << reads[i] << " (index " << i
+           << ") is written by another sequence (final_state_indices at index " << it->second
+           << ") in the same pool; expected a sequence to read only slots no other sequence writes";
+        return invalid(os.str());
+      }
+    }
+  }
   return Status::Ok();
 }
 

@@ -90,6 +90,12 @@ void store_state(const MutTensorRef& r, StateLayout layout, int64_t n, int64_t h
                       base + (layout == StateLayout::kKV ? i * r.stride[2] + j : j * r.stride[2] + i), S[i * V + j]);
 }
 
+// Sequence n's state slot: n without a pool's indices, else its entry (negative: none).
+inline int64_t pool_slot(const TensorRef& idx, int64_t n) {
+  if (idx.data == nullptr) return n;
+  return idx.dtype == DType::kInt32 ? static_cast<const int32_t*>(idx.data)[n] : static_cast<const int64_t*>(idx.data)[n];
+}
+
 // ---------------------------------------------------------------------------
 // Thread pool: dynamic scheduling of task indices over num_threads threads.
 // ---------------------------------------------------------------------------
@@ -172,7 +178,8 @@ void forward_task(const GdnForwardParams& p, const SeqSpan& seq, int64_t n, int6
   const int64_t group = p.shape.num_v_heads / p.shape.num_qk_heads;
   const int64_t h = hv / group;
   std::vector<Acc> S(K * V, Acc(0)), q(K), k(K), v(V), u(V), o(V);
-  if (p.initial_state.data) load_state(p.initial_state, p.state_layout, n, hv, K, V, S.data());
+  const int64_t read_slot = pool_slot(p.initial_state_indices, n), write_slot = pool_slot(p.final_state_indices, n);
+  if (p.initial_state.data && read_slot >= 0) load_state(p.initial_state, p.state_layout, read_slot, hv, K, V, S.data());
   const Acc scale = static_cast<Acc>(p.scale);
   for (int64_t t = seq.begin; t < seq.end; ++t) {
     load_row(p.q, off4(p.q.stride, seq.row, t, h), K, q.data());
@@ -190,7 +197,7 @@ void forward_task(const GdnForwardParams& p, const SeqSpan& seq, int64_t n, int6
     for (int64_t j = 0; j < V; ++j) o[j] *= scale;
     store_row(p.o, off4(p.o.stride, seq.row, t, hv), V, o.data());
   }
-  if (p.final_state.data) store_state(p.final_state, p.state_layout, n, hv, K, V, S.data());
+  if (p.final_state.data && write_slot >= 0) store_state(p.final_state, p.state_layout, write_slot, hv, K, V, S.data());
 }
 
 // ---------------------------------------------------------------------------

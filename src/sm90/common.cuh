@@ -365,6 +365,17 @@ struct SeqDesc {
 __device__ __forceinline__ int64_t cu_at(const SeqDesc& s, int64_t n) {
   return s.cu64 ? static_cast<const int64_t*>(s.cu)[n] : static_cast<const int32_t*>(s.cu)[n];
 }
+// A state pool's indices (GdnForwardParams::initial_state_indices / final_state_indices):
+// sequence n's slot is entry n (negative: none); without indices (idx == nullptr) it is n.
+struct PoolIndex {
+  const void* idx = nullptr;
+  int is64 = 0;
+  int64_t slots = 0;
+};
+__device__ __forceinline__ int64_t pool_slot(const PoolIndex& pi, int64_t n) {
+  if (!pi.idx) return n;
+  return pi.is64 ? static_cast<const int64_t*>(pi.idx)[n] : static_cast<const int32_t*>(pi.idx)[n];
+}
 // b: batch row, t0: first token (within row b), len: tokens.
 __device__ __forceinline__ void seq_bounds(const SeqDesc& s, int64_t n, int64_t& b, int64_t& t0, int64_t& len) {
   if (s.cu) {

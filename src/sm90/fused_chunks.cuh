@@ -362,20 +362,28 @@ __device__ __forceinline__ void stmatrix_rows(Tens& t, int wt, Value value) {
 __device__ __forceinline__ int acc_half(int i) { return (i >> 1) & 1; }
 
 // The state entering a CTA's chunks (S^T (v, d) as accS, columns v0 .. v0 + 63 of [V | K]):
-// h0, the scan's state (maps), zero, or the identity's columns (the transfer map; split.cuh).
+// h0 (its pool slot, or the scan's copy h0c when non-null), the scan's state (maps), zero, or
+// the identity's columns (the transfer map; split.cuh).
 template <class AccS, class CS>
 __device__ __forceinline__ void load_entering_state(const RecParams& p, int init, int n, int hv, int v0, const float* maps,
-                                                    AccS& accS, const CS& cS) {
-  const int64_t hb0 = static_cast<int64_t>(n) * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
-  if (init == kInitH0 && p.h0) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) {
-      const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
-      accS(i) = p.h0[hb0 + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)];
+                                                    const float* h0c, AccS& accS, const CS& cS) {
+  // One strided read for every stored source: element (d, v) at src[d * sd + v * sv].
+  const float* src = nullptr;
+  int64_t sd = 0, sv = 1;
+  if (init == kInitH0 && h0c) {
+    src = h0c, sd = kDV;
+  } else if (init == kInitH0 && p.h0) {
+    const int64_t slot = pool_slot(p.h0_pool, n);  // negative: no state (zeros)
+    if (slot >= 0) {
+      src = p.h0 + slot * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+      sd = p.vk ? 1 : p.sh0[2], sv = p.vk ? p.sh0[2] : 1;
     }
   } else if (init == kInitMaps) {
+    src = maps, sd = kMapCols;
+  }
+  if (src) {
     CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) = maps[get<1>(cS(i)) * kMapCols + v0 + get<0>(cS(i))];
+    for (int i = 0; i < size(accS); ++i) accS(i) = src[get<1>(cS(i)) * sd + (v0 + get<0>(cS(i))) * sv];
   } else {  // zero, or the identity's columns (the transfer map)
     const bool id = init == kInitIdentity;
     CUTE_UNROLL
@@ -390,8 +398,9 @@ template <bool kLean, class AccS, class CS>
 __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end, int n, int hv, int v0, float* maps,
                                                     const AccS& accS, const CS& cS, const int (&esc)[2]) {
   const float inv[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
-  if (end == kEndFinal && p.hT) {
-    const int64_t fb = static_cast<int64_t>(n) * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
+  const int64_t slot = end == kEndFinal && p.hT ? pool_slot(p.hT_pool, n) : -1;  // negative: not written
+  if (slot >= 0) {
+    const int64_t fb = slot * p.shT[0] + static_cast<int64_t>(hv) * p.shT[1];
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) {
       const int v = v0 + get<0>(cS(i)), d = get<1>(cS(i));
@@ -683,7 +692,10 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   // The piece's maps (split.cuh): its own, or the previous piece's R, which the scan made the
   // state entering this one.
   float* maps = p.maps ? map_at(p, tile.map - (role.init == kInitMaps), hv) : nullptr;
-  load_entering_state(p, role.init, n, hv, v0, maps, accS, cS);
+  // Piece 0 of a split sequence in pass 1 reads the scan's copy of h0 where the final state
+  // shares its memory (the sequence's last piece writes it in this launch).
+  const float* h0c = p.h0_copy && p.pass == 1 && tile.sp.np > 1 ? h0_copy_at(p, tile.map, hv) : nullptr;
+  load_entering_state(p, role.init, n, hv, v0, maps, h0c, accS, cS);
   int esc[2] = {0, 0};  // row v's units: 2^esc
   QLA_PHASES(8);
 

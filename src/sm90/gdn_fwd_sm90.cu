@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -210,8 +211,26 @@ SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
 }
 
 struct WsLayout {
-  size_t table = 0, places = 0, ready = 0, pieces = 0, plan = 0, regions = 0, maps = 0, total = 0;
+  size_t table = 0, places = 0, ready = 0, pieces = 0, plan = 0, regions = 0, maps = 0, h0_copy = 0, total = 0;
+  bool copy_h0 = false;  // split, with initial and final states in shared memory (RecParams::h0_copy)
 };
+// The bytes [first, last] a state tensor (or pool) of `count` states spans (count == 0: none).
+std::pair<uintptr_t, uintptr_t> state_span(const void* data, const int64_t* st, int64_t count, int64_t HV) {
+  const auto at = reinterpret_cast<uintptr_t>(data);
+  if (!data || count <= 0) return {1, 0};
+  int64_t lo = 0, hi = 0;  // element offsets: strides may be negative
+  for (int64_t ext : {(count - 1) * st[0], (HV - 1) * st[1], (kDK - 1) * st[2]}) (ext < 0 ? lo : hi) += ext;
+  hi += kDV - 1;  // the contiguous last dimension (K = V on this backend)
+  return {at + static_cast<uintptr_t>(lo * 4), at + static_cast<uintptr_t>(hi * 4 + 3)};
+}
+bool states_overlap(const GdnForwardParams& p) {
+  const int64_t N = num_seqs(p), HV = p.shape.num_v_heads;
+  const auto a = state_span(p.initial_state.data, p.initial_state.stride,
+                            p.initial_state_indices.data ? p.initial_state_slots : N, HV);
+  const auto b = state_span(p.final_state.data, p.final_state.stride,
+                            p.final_state_indices.data ? p.final_state_slots : N, HV);
+  return a.first <= a.second && b.first <= b.second && a.first <= b.second && b.first <= a.second;
+}
 WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   const size_t N = static_cast<size_t>(num_seqs(p));
@@ -226,7 +245,10 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   w.plan = w.pieces + (np ? up(4 * piece_table_ints(N, np)) : 0);  // the refined plan (2 ints)
   w.regions = w.plan + (sc.device_plan ? up(8) : 0);
   w.maps = w.regions + up(mc * HV * (sc.fused ? kInvRegionBytes : kRegionBytes));
-  w.total = w.maps + static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
+  const size_t maps = static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
+  w.copy_h0 = sc.max_pieces > 0 && states_overlap(p);
+  w.h0_copy = w.maps + up(maps);
+  w.total = w.copy_h0 ? w.h0_copy + static_cast<size_t>(sc.max_maps) * HV * kDK * kDV * 4 : w.maps + maps;
   return w;
 }
 WsLayout ws_layout(const GdnForwardParams& p) {
@@ -266,6 +288,15 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   return Status::Ok();
 }
 
+// A state pool's indices for the kernels (PoolIndex, common.cuh).
+PoolIndex pool_index(const TensorRef& idx, int64_t slots) {
+  PoolIndex pi;
+  pi.idx = idx.data;
+  pi.is64 = idx.dtype == DType::kInt64;
+  pi.slots = slots;
+  return pi;
+}
+
 // The recurrence kernels' arguments common to every launch (sequences, states, o, heads).
 RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CUtensorMap& tmk, const SeqDesc& sd,
                      const int* table, const void* regions) {
@@ -279,6 +310,8 @@ RecParams rec_params(const GdnForwardParams& p, const CUtensorMap& tmq, const CU
   rp.hT = static_cast<float*>(p.final_state.data);
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = p.initial_state.stride[i]; rp.shT[i] = p.final_state.stride[i]; rp.so[i] = p.o.stride[i]; }
   rp.vk = p.state_layout == StateLayout::kVK;
+  rp.h0_pool = pool_index(p.initial_state_indices, p.initial_state_slots);
+  rp.hT_pool = pool_index(p.final_state_indices, p.final_state_slots);
   rp.o = p.o.data;
   rp.N = static_cast<int>(num_seqs(p));
   rp.H = static_cast<int>(p.shape.num_qk_heads);
@@ -359,7 +392,9 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     dp.sms = sms;
     dp.pass1_v128 = sc.pass1_vt128;
   }
-  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places, dp);
+  gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places, dp,
+                                          pool_index(p.initial_state_indices, p.initial_state_slots),
+                                          pool_index(p.final_state_indices, p.final_state_slots));
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
   CUtensorMap tmv;
   Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
@@ -392,6 +427,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.pieces = pieces;
     rp.plan = sc.plan;
     rp.maps = reinterpret_cast<float*>(ws + wl.maps);
+    if (wl.copy_h0) rp.h0_copy = reinterpret_cast<float*>(ws + wl.h0_copy);
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
     rp.lean_maps = 1;
@@ -487,7 +523,10 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
   const int64_t nregions = mc * HV;
 
   if (stages & 1) {
-    gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0);
+    gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, overlap ? ready : nullptr, overlap ? nregions : 0, PiecePlan{},
+                                            nullptr, nullptr, DevicePlan{},
+                                            pool_index(p.initial_state_indices, p.initial_state_slots),
+                                            pool_index(p.final_state_indices, p.final_state_slots));
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
 
     if (mc > 0) {

@@ -148,7 +148,8 @@ __device__ __forceinline__ void write_chunk_places(const SeqDesc& sd, int N, con
 }
 
 // off[N + 1] is set to 1 when the device cu_seqlens are malformed (first entry not 0, a
-// decreasing step, or last entry not T): every offset is then 0 (no chunk is read or written),
+// decreasing step, or last entry not T) or a state-pool index is at or past its pool's slots
+// (h0_pool, hT_pool; the forward's): every offset is then 0 (no chunk is read or written),
 // the order is the identity, and the kernels fill their outputs with NaN instead (see
 // fill_nan_outputs).
 // With a piece table (split forward, pieces != nullptr; layout piece_table_ints in common.cuh):
@@ -187,7 +188,8 @@ __device__ __forceinline__ PiecePlan refine_plan_warp(const PiecePlan& bound, in
 }
 __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* off, int* ready, int64_t nready,
                                                         PiecePlan plan = {}, int* pieces = nullptr,
-                                                        int2* places = nullptr, DevicePlan dp = {}) {
+                                                        int2* places = nullptr, DevicePlan dp = {},
+                                                        PoolIndex h0_pool = {}, PoolIndex hT_pool = {}) {
   allow_dependent_launch();  // the fused forward's inverse kernel waits for this one's end itself
   for (int64_t i = threadIdx.x; i < nready; i += 1024) ready[i] = 0;  // overlapped mode's flags
   const int tid = threadIdx.x;
@@ -197,6 +199,11 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
     for (int n = tid; n < N; n += 1024) bad |= cu_at(sd, n + 1) < cu_at(sd, n);
     if (tid == 0) bad |= cu_at(sd, 0) != 0 || cu_at(sd, N) != sd.T;
   }
+  // A state-pool index at or past its pool's slots (negative ones: no state).
+  if (h0_pool.idx)
+    for (int n = tid; n < N; n += 1024) bad |= pool_slot(h0_pool, n) >= h0_pool.slots;
+  if (hT_pool.idx)
+    for (int n = tid; n < N; n += 1024) bad |= pool_slot(hT_pool, n) >= hT_pool.slots;
   if (__syncthreads_or(bad)) {
     for (int n = tid; n <= N; n += 1024) off[n] = 0;
     for (int n = tid; n < N; n += 1024) order[n] = n;

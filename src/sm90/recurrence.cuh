@@ -52,6 +52,13 @@ struct RecParams {
   // docs/design.md): its CTAs write no o; pass 1 runs piece 0 again from h0, and the whole
   // sequences, with o (piece_role in split.cuh).
   int lean_maps;
+  // State pools: sequence n reads h0's slot pool_slot(h0_pool, n) and writes hT's slot
+  // pool_slot(hT_pool, n) (none where negative; without indices slot n).
+  PoolIndex h0_pool, hT_pool;
+  // A split call whose initial and final states share memory: pass 1 reads piece 0's entering
+  // state from this copy of h0 (made by the scan, per piece-0 map index and value head, [K][V]),
+  // since its last piece writes the final state into that memory in the same launch.
+  float* h0_copy;
 };
 
 // The piece plan a pass or the scan splits by.
@@ -97,9 +104,9 @@ __device__ __forceinline__ RecTile rec_tile(const RecParams& p) {
 // [N, HV, V, K] tensor (zeros without one: src == nullptr), and back; either state layout
 // (vk = 0: [d][v], vk = 1: [v][d]). Used for h0 / final state here, dht / dh0 in the backward.
 template <class Acc, class Coord>
-__device__ __forceinline__ void load_state_tile(const float* src, const int64_t* st, int vk, int n, int hv, int v0,
+__device__ __forceinline__ void load_state_tile(const float* src, const int64_t* st, int vk, int64_t n, int hv, int v0,
                                                 Acc& acc, const Coord& cS) {
-  const int64_t hbase = static_cast<int64_t>(n) * st[0] + static_cast<int64_t>(hv) * st[1];
+  const int64_t hbase = n * st[0] + static_cast<int64_t>(hv) * st[1];
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) {
     const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
@@ -107,10 +114,10 @@ __device__ __forceinline__ void load_state_tile(const float* src, const int64_t*
   }
 }
 template <class Acc, class Coord>
-__device__ __forceinline__ void store_state_tile(float* dst, const int64_t* st, int vk, int n, int hv, int v0,
+__device__ __forceinline__ void store_state_tile(float* dst, const int64_t* st, int vk, int64_t n, int hv, int v0,
                                                  const Acc& acc, const Coord& cS) {
   if (!dst) return;
-  const int64_t fb = static_cast<int64_t>(n) * st[0] + static_cast<int64_t>(hv) * st[1];
+  const int64_t fb = n * st[0] + static_cast<int64_t>(hv) * st[1];
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) {
     const int d = get<0>(cS(i)), v = v0 + get<1>(cS(i));
@@ -119,12 +126,14 @@ __device__ __forceinline__ void store_state_tile(float* dst, const int64_t* st, 
 }
 template <class Acc, class Coord>
 __device__ __forceinline__ void load_initial_state(const RecParams& p, int n, int hv, int v0, Acc& accS, const Coord& cS) {
-  load_state_tile(p.h0, p.sh0, p.vk, n, hv, v0, accS, cS);
+  const int64_t slot = pool_slot(p.h0_pool, n);  // negative: no state (zeros)
+  load_state_tile(slot >= 0 ? p.h0 : nullptr, p.sh0, p.vk, slot, hv, v0, accS, cS);
 }
 template <class Acc, class Coord>
 __device__ __forceinline__ void store_final_state(const RecParams& p, int n, int hv, int v0, const Acc& accS,
                                                   const Coord& cS) {
-  store_state_tile(p.hT, p.shT, p.vk, n, hv, v0, accS, cS);
+  const int64_t slot = pool_slot(p.hT_pool, n);  // negative: not written
+  if (slot >= 0) store_state_tile(p.hT, p.shT, p.vk, slot, hv, v0, accS, cS);
 }
 // Backward: the V-tile-32 block vt of region (ci, hv) in an image of `elems` 16-bit elements per
 // region (Lay<T>::DD_K or ::TokV_K); its bytes equal the CTA's RecLay<T, 32> hi operand.
@@ -133,8 +142,9 @@ __device__ __forceinline__ T* image_block(void* images, int elems, int HV, int c
   return static_cast<T*>(images) + (static_cast<size_t>(ci) * HV + hv) * elems + vt * (elems / (kDV / 32));
 }
 
-// Malformed device cu_seqlens (flagged by gdn_chunk_table): instead of a silent wrong answer,
-// every element of o and of the final state becomes NaN (grid-stride over the whole grid).
+// Malformed device cu_seqlens or a state-pool index past its pool (flagged by gdn_chunk_table):
+// instead of a silent wrong answer, every element of o and of the final state becomes NaN
+// (grid-stride over the whole grid).
 template <class T>
 __device__ void fill_nan_outputs(const RecParams& p) {
   const int64_t nthreads = grid_blocks() * blockDim.x;
@@ -145,11 +155,13 @@ __device__ void fill_nan_outputs(const RecParams& p) {
     const int64_t v = i % kDV, h = (i / kDV) % HV, t = i / (kDV * HV);
     o[t * p.so[1] + h * p.so[2] + v] = T(__int_as_float(0x7fc00000));
   }
-  if (p.hT) {
+  if (p.hT) {  // every sequence's final slot (those in the pool's range, with indices)
     const int64_t nh = static_cast<int64_t>(p.N) * HV * kDK * kDV;
     for (int64_t i = first; i < nh; i += nthreads) {
       const int64_t j = i % (kDK * kDV), h = (i / (kDK * kDV)) % HV, n = i / (kDK * kDV * HV);
-      p.hT[n * p.shT[0] + h * p.shT[1] + (j / kDV) * p.shT[2] + j % kDV] = __int_as_float(0x7fc00000);
+      const int64_t slot = pool_slot(p.hT_pool, n);
+      if (slot < 0 || (p.hT_pool.idx && slot >= p.hT_pool.slots)) continue;
+      p.hT[slot * p.shT[0] + h * p.shT[1] + (j / kDV) * p.shT[2] + j % kDV] = __int_as_float(0x7fc00000);
     }
   }
 }

@@ -32,6 +32,10 @@ constexpr int kMapCols = kDV + kDK;  // maps: [K][V + K] per (piece, value head)
 __device__ __forceinline__ float* map_at(const RecParams& p, int index, int hv) {
   return p.maps + (static_cast<size_t>(index) * p.HV + hv) * kDK * kMapCols;
 }
+// The scan's copy of h0 for a split sequence (RecParams::h0_copy), by its piece 0's map index.
+__device__ __forceinline__ float* h0_copy_at(const RecParams& p, int index, int hv) {
+  return p.h0_copy + (static_cast<size_t>(index) * p.HV + hv) * kDK * kDV;
+}
 // The warm-up rule: the chunks before a boundary must sum g to at most kWarmLogDecay within
 // kWarmMaxChunks chunks. The dropped part is then at most e^-16 = 1.1e-7 of the state where the
 // warm-up starts; relative to the state at the boundary it is larger only by how much the state
@@ -186,6 +190,19 @@ static_assert(kScanThreads / 32 * 16 == kDK, "a warp per 16 rows of S_{j+1}: two
 constexpr int kScanFragFloats = kScanCols * kDK;  // S_j in fragment order, one buffer
 constexpr size_t kScanSmem = sizeof(float) * (kScanBufs * kDK * kDK + 2 * kScanFragFloats);
 
+// Where a split sequence's initial and final states share memory (RecParams::h0_copy), the
+// scan CTAs of (sequence n, value head hv) copy their 16 columns of its h0 (zeros for a
+// negative pool index) for pass 1's piece 0: every path's scan CTAs, before they leave.
+__device__ __forceinline__ void scan_copy_h0(const RecParams& p, int n, int hv, int c0, int map0) {
+  const int64_t slot = p.h0 ? pool_slot(p.h0_pool, n) : -1;
+  const int64_t hb = slot * p.sh0[0] + static_cast<int64_t>(hv) * p.sh0[1];
+  float* dst = h0_copy_at(p, map0, hv);
+  for (int e = threadIdx.x; e < kDK * kScanCols; e += blockDim.x) {
+    const int d = e / kScanCols, v = c0 + e % kScanCols;
+    dst[d * kDV + v] = slot >= 0 ? p.h0[hb + (p.vk ? v * p.sh0[2] + d : d * p.sh0[2] + v)] : 0.f;
+  }
+}
+
 // A scan CTA's chain: (sequence, value head, column slice), its pieces and first map; false
 // (the same in every thread) when it has none: fewer than three pieces, or the warm-up path.
 struct ScanCta {
@@ -201,6 +218,7 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
   int64_t b, t0, slen;
   seq_bounds(p.sd, n, b, t0, slen);
   const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), rec_plan(p));
+  if (sp.np > 1 && p.h0_copy) scan_copy_h0(p, n, sc.hv, sc.c0, p.pieces[rank] - rank);
   if (sp.np < 3) return false;
   if (threadIdx.x < 32) {
     const bool w = warm_path(p, p.chunk_off[n], sc.hv, sp, threadIdx.x);

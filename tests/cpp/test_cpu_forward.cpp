@@ -121,3 +121,56 @@ TEST(CpuForward, ThreadCountDoesNotChangeResult) {
   EXPECT_EQ(b1.o, b2.o);
   EXPECT_EQ(b1.ht, b2.ht);
 }
+
+// A state pool read and written in place through slot indices (fp64): o and every written slot
+// against the reference run on the gathered states, the other slots untouched, and the errors.
+TEST(CpuForward, StatePoolInPlace) {
+  Problem p = make_problem(77, 1, 150, 2, 4, 8, 8, {0, 40, 40, 150});
+  const int64_t N = p.N(), S = 5, M = p.HV * p.K * p.V;
+  const int32_t reads[3] = {4, -1, 1}, writes[3] = {4, 0, 2};  // sequence 1 starts from zeros
+  std::vector<double> pool(S * M);
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal;
+  for (auto& x : pool) x = normal(rng);
+  const std::vector<double> before = pool;
+  for (int64_t n = 0; n < N; ++n)  // the reference starts from the slots the call reads
+    for (int64_t i = 0; i < M; ++i) p.h0[n * M + i] = reads[n] >= 0 ? pool[reads[n] * M + i] : 0.0;
+  std::vector<double> ro, rht;
+  reference_forward(p, ro, rht);
+
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat64, buf, false);
+  f.initial_state = {pool.data(), qla::DType::kFloat64, {M, p.K * p.V, p.V}};
+  f.final_state = {pool.data(), qla::DType::kFloat64, {M, p.K * p.V, p.V}};
+  f.initial_state_indices = {reads, qla::DType::kInt32, {1, 0, 0}};
+  f.final_state_indices = {writes, qla::DType::kInt32, {1, 0, 0}};
+  f.initial_state_slots = f.final_state_slots = S;
+  qla::Status s = qla::gdn_forward(f);
+  ASSERT_TRUE(s.ok()) << s.message();
+  std::vector<double> o(ro.size());
+  for (size_t i = 0; i < o.size(); ++i) o[i] = decode(buf.o, qla::DType::kFloat64, i);
+  EXPECT_LT(rel_l2(o, ro), 1e-12);
+  for (int64_t n = 0; n < N; ++n) {
+    const std::vector<double> got(pool.begin() + writes[n] * M, pool.begin() + (writes[n] + 1) * M);
+    const std::vector<double> want(rht.begin() + n * M, rht.begin() + (n + 1) * M);
+    EXPECT_LT(rel_l2(got, want), 1e-12) << "slot " << writes[n];
+  }
+  for (int64_t i = 0; i < M; ++i) EXPECT_EQ(pool[3 * M + i], before[3 * M + i]) << "slot 3 is written by no one";
+
+  const int32_t past[3] = {4, 5, 1}, twice[3] = {4, 4, 2}, crossed[3] = {1, 0, 2};
+  f.initial_state_indices.data = past;
+  s = qla::gdn_forward(f);
+  EXPECT_EQ(s.code(), qla::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("initial_state_indices: expected entries below initial_state_slots=5"), std::string::npos)
+      << s.message();
+  f.initial_state_indices.data = reads;
+  f.final_state_indices.data = twice;
+  s = qla::gdn_forward(f);
+  EXPECT_NE(s.message().find("final_state_indices: expected distinct slots"), std::string::npos) << s.message();
+  f.final_state_indices.data = crossed;  // slot 1 written by sequence 0, read by sequence 2
+  s = qla::gdn_forward(f);
+  EXPECT_NE(s.message().find("written by another sequence"), std::string::npos) << s.message();
+  f.final_state_indices = {writes, qla::DType::kFloat32, {1, 0, 0}};
+  s = qla::gdn_forward(f);
+  EXPECT_NE(s.message().find("final_state_indices: expected dtype int32 or int64"), std::string::npos) << s.message();
+}

@@ -66,3 +66,30 @@ def test_torch_compile_fullgraph_varlen_with_host_boundaries():
     ro, rht = qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                          output_final_state=True, cu_seqlens=cu)
     assert torch.equal(o, ro) and torch.equal(ht, rht)
+
+
+def test_state_pool_under_torch_compile_and_opcheck():
+    """The pool op (qla::gdn_fwd_pool, which declares the pool's mutation): traced with no graph
+    break, the pool written as in eager, and opcheck's schema and fake checks."""
+    from qla import _ops
+
+    x = make_inputs(1, 30, 1, 2, 8, 8, torch.float32)
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32)
+    start = torch.randn(3, 2, 8, 8)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+
+    def step(q, k, v, g, b, pool):
+        return qla.chunk_gated_delta_rule(q, k, v, g, b, cu_seqlens=cu, state_pool=pool, initial_state_indices=idx,
+                                          final_state_indices=idx)[0] * 2
+
+    torch._dynamo.reset()
+    pool_c, pool_e = start.clone(), start.clone()
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o_c = torch.compile(step, fullgraph=True, backend="aot_eager")(*args, pool_c)
+    o_e = step(*args, pool_e)
+    assert torch.equal(o_c, o_e) and torch.equal(pool_c, pool_e)
+    assert not torch.equal(pool_e, start)
+    torch.library.opcheck(_ops.gdn_fwd_pool, (*args, 0.5, start.clone(), idx, idx, cu, False, False, False,
+                                              _ops.SPLIT_AUTO, 0, False, None))
+    torch.library.opcheck(_ops.gdn_fwd_pool, (*args, 0.5, start.clone(), idx, None, cu, True, False, False,
+                                              _ops.SPLIT_AUTO, 0, False, None))
