@@ -56,11 +56,12 @@ ht = torch.empty(1, HV, K, K, device=dev)
 shape = (1, T, H, HV, K, K)
 descs = (_ops._desc(q), _ops._desc(k), _ops._desc(v), _ops._desc(g), _ops._desc(beta), _ops._desc(h0),
          _ops._cu_desc(cu), 1, _ops._desc(o), _ops._desc(ht))
-ws_bytes = _ops._C.forward_workspace_size(shape, *descs, scale, 0, 1, False, _ops.SPLIT_AUTO, 0, False, 0)
+ws_bytes = _ops._C.forward_workspace_size(shape, *descs, scale, 0, 1, False, _ops.SPLIT_AUTO, 0, False, 0,
+                                          _ops._NO_POOLS)
 ws = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev)
 stream = torch._C._cuda_getCurrentRawStream(0)
 binding = lambda: _ops._C.forward(shape, *descs, scale, 0, 1, stream, ws.data_ptr(), ws_bytes, 0, False,
-                                  _ops.SPLIT_AUTO, 0, False, 0)
+                                  _ops.SPLIT_AUTO, 0, False, 0, _ops._NO_POOLS)
 with torch.no_grad():
     print(f"breakdown: _ops.forward_impl (no API checks):          {host_us(impl):.1f} us")
     print(f"breakdown: _C.forward alone (C++ checks + 3 launches):  {host_us(binding):.1f} us")

@@ -281,7 +281,7 @@ def test_host_lengths_plan_the_forward():
     descs = (_ops._desc(q), _ops._desc(q), _ops._desc(v), _ops._desc(g), _ops._desc(g), _ops._desc(None),
              _ops._cu_desc(cu), 2, _ops._desc(v), _ops._desc(None))
     size = lambda ptr: _ops._C.forward_workspace_size((1, 8192, 2, 8, 128, 128), *descs, 128 ** -0.5, 0, 1, False,
-                                                      _ops.SPLIT_AUTO, 0, False, ptr)
+                                                      _ops.SPLIT_AUTO, 0, False, ptr, _ops._NO_POOLS)
     assert size(host.data_ptr()) != size(0)
     e_o, e_h = _check(x, cu_seqlens_cpu=host)
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
@@ -367,7 +367,7 @@ def test_batch_invariant_workspace_with_many_short_sequences():
     descs = (_ops._desc(q), _ops._desc(q), _ops._desc(v), _ops._desc(g), _ops._desc(g), _ops._desc(None),
              _ops._cu_desc(cu), N, _ops._desc(v), _ops._desc(None))
     size = lambda inv: _ops._C.forward_workspace_size((1, T, H, HV, D, D), *descs, D ** -0.5, 0, 1, False,
-                                                      _ops.SPLIT_AUTO, 0, inv, 0)
+                                                      _ops.SPLIT_AUTO, 0, inv, 0, _ops._NO_POOLS)
     extra = size(True) - size(False)
     assert 0 <= extra <= T // 4096 * HV * D * 2 * D * 4 + 4 * 3 * N + 16384, extra
     k = F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).to(torch.bfloat16)
