@@ -110,10 +110,15 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
 // (8/24 at 1x2048: 0.095 against 0.115). batch_invariant calls take the fused forward
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
-// keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them. Depends on
-// the params and the host lengths (cu_seqlens_host) when given, never on device data, so a
-// workspace query with the same params agrees with the launch.
+// keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them; and so
+// they do for a scale outside [kFp16ScaleMin, kFp16ScaleMax], which the two-pass forward folds
+// into its fp16 hi/lo score images A = scale e^(gamma_i - gamma_j) q_i.k_j (|q.k| <= 1): above,
+// A overflows fp16 (65504); below, A's typical entries (~0.09 scale at d = 128) fall to fp16
+// subnormals, whose spacing 2^-24 is then more than 1e-4 of them. The fused forward applies
+// scale to o alone, in fp32. Depends on the params and the host lengths (cu_seqlens_host) when
+// given, never on device data, so a workspace query with the same params agrees with the launch.
 constexpr int64_t kFusedMinPairs = 20;
+constexpr double kFp16ScaleMin = 1.0 / 64, kFp16ScaleMax = 16384.0;
 constexpr int64_t kFusedMinChunks = 64;
 enum class Path { kTwoPass, kFused, kFusedIfSplit };
 Path path_rule(const GdnForwardParams& p) {
@@ -121,7 +126,9 @@ Path path_rule(const GdnForwardParams& p) {
   if (g_test_fused) return g_test_fused > 0 ? Path::kFused : Path::kTwoPass;
   if (g_test_overlap >= 0 || g_test_stages != 3) return Path::kTwoPass;  // two-pass options
 #endif
-  if (p.q.dtype == DType::kFloat16 && !p.qk_l2_normalized) return Path::kFused;
+  if (p.q.dtype == DType::kFloat16 &&
+      (!p.qk_l2_normalized || !(std::fabs(p.scale) >= kFp16ScaleMin && std::fabs(p.scale) <= kFp16ScaleMax)))
+    return Path::kFused;
   if (p.split == SplitMode::kOn || p.batch_invariant) return Path::kFused;
   if (num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs) return Path::kFused;
   if (p.split == SplitMode::kAuto && chunk_counts(p).longest >= kFusedMinChunks) return Path::kFusedIfSplit;

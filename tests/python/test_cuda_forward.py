@@ -245,6 +245,22 @@ def test_scale_far_from_the_usual_in_the_fused_forward(scale):
     assert e_o < TOL and e_h < TOL, (e_o, e_h)
 
 
+@pytest.mark.parametrize("scale", [3e4, 1e-5])
+def test_fp16_scale_far_from_the_usual_with_few_pairs(scale):
+    # fp16 with unit-norm rows declared (use_qk_l2norm_in_kernel) and few short pairs: the two-pass
+    # forward's fp16 score images would overflow (3e4 x q.k with q = k) or lose their entries to
+    # subnormals (1e-5), so such scales take the fused forward (path_rule in gdn_fwd_sm90.cu).
+    x = _inputs([300, 200], 1, 2, "mild", dtype=torch.float16, seed=38)
+    x["q"] = x["k"].clone()
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    o, ht = qla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    qn, kn = qla.l2norm(q), qla.l2norm(k)
+    ro, rht = reference(qn.cpu(), kn.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=scale, initial_state=h0.cpu(),
+                        cu_seqlens=cu.cpu())
+    assert rel_err(o, ro) < TOL and rel_err(ht, rht) < TOL, (rel_err(o, ro), rel_err(ht, rht))
+
+
 def test_qk_l2norm_in_kernel_hint_path():
     # use_qk_l2norm_in_kernel=True normalises q, k and tells the core they are unit rows.
     x = _spread_norms(_inputs([1000, 24], 4, 16, "mild", seed=22), lo=-3.0, hi=3.0)
