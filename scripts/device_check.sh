@@ -270,22 +270,26 @@ snap
 
 if want scan-ab; then
   # A scan against another (split-11): .ab/fwd_old and .ab/fwd_new, test builds from two trees
-  # (carry .ab); SCAN_OLD_ENV: the old binary's environment (e.g. QLA_TEST_SCAN_MMA=1 for a
-  # build that had that hook). The new binary's --split and default suites, the scan's ncu time
+  # (carry .ab); SCAN_OLD_ENV, SCAN_NEW_ENV: each binary's environment (e.g. one binary as both
+  # and SCAN_NEW_ENV=QLA_TEST_SCAN_DIRECT=1 for the split-12 candidate, gdn_fwd_scan_direct).
+  # The new binary's --split and default suites, the scan's ncu time
   # at 2/8 1x32768 (bench row 2) at the plan's pieces and at pieces of 16 and 8 chunks (31 and
   # 63 steps) for both, the new scan's step without its copies or products (timing variants),
-  # then the new split bench. About 220 s.
+  # then the new split bench. About 280 s.
   {
     echo "== new: suite --split"
-    timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
+    env X=1 ${SCAN_NEW_ENV:-} timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
     echo "== new: default suite"
-    timeout 150 .ab/fwd_new 2>&1 | grep -E "FAIL|PASSED" | tail -4
+    env X=1 ${SCAN_NEW_ENV:-} timeout 150 .ab/fwd_new 2>&1 | grep -E "FAIL|PASSED" | tail -4
+    echo "== new: suite --split, each case's second call on gdn_fwd_scan_direct (bitwise equal)"
+    QLA_TEST_SCAN_BITS=1 timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|differs" | tail -8
     for c in auto 16 8; do
       envs=(X=1)
       [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
       for b in old new; do
         e=("${envs[@]}")
         [[ $b == old ]] && e+=(${SCAN_OLD_ENV:-})
+        [[ $b == new ]] && e+=(${SCAN_NEW_ENV:-})
         echo "== $b: ncu --profile 2, pieces of $c chunks (us: K1, pass 0, scan, pass 1)"
         env "${e[@]}" ncu --clock-control none --metrics gpu__time_duration.sum -k regex:gdn_fwd .ab/fwd_$b --profile 2 2>&1 \
           | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
@@ -296,12 +300,12 @@ if want scan-ab; then
     # M's copies (16), without the products (32), without both (48).
     for sk in 0 16 32 48; do
       echo "== new: scan without (skip $sk): us (K1, pass 0, scan, pass 1)"
-      QLA_TEST_FUSED_SKIP=$sk QLA_TEST_SPLIT_CHUNKS=8 ncu --clock-control none --metrics gpu__time_duration.sum \
+      env ${SCAN_NEW_ENV:-} QLA_TEST_FUSED_SKIP=$sk QLA_TEST_SPLIT_CHUNKS=8 ncu --clock-control none --metrics gpu__time_duration.sum \
         -k regex:gdn_fwd .ab/fwd_new --profile 2 2>&1 | grep gpu__time_duration | awk '{print $NF}' | tr '\n' ' '
       echo
     done
     echo "== new: split-bench"
-    timeout 200 .ab/fwd_new --split --bench 2>&1 | grep "^bench-split"
+    env X=1 ${SCAN_NEW_ENV:-} timeout 200 .ab/fwd_new --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/scan_ab.log"
 fi
 snap

@@ -265,18 +265,18 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // One step's products for warp w, lane 4 g + t: acc[n] = (S_j^T M_j^T)[columns g, g + 8 of the
-// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. sM: M_j (scan_swz; tf32
-// values, rounded by pass 0 where it wrote the map), sF: S_j (scan_frag, tf32 values). Two
-// accumulators per tile (h = 0, 1) halve the dependent mma chain.
-__device__ __forceinline__ void scan_products(const float* sM, const float* sF, int warp, int g, int t,
-                                              float (&acc)[2][4]) {
+// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. m(kp, n): the lane's B
+// fragments M_j[16 w + 8 n + g][16 kp + 4 t .. + 3] (tf32 values, rounded by pass 0 where it
+// wrote the map); sF: S_j (scan_frag, tf32 values). Two accumulators per tile (h = 0, 1) halve
+// the dependent mma chain.
+template <class FetchM>
+__device__ __forceinline__ void scan_products(FetchM m, const float* sF, int g, int t, float (&acc)[2][4]) {
   float part[2][2][4] = {};
   CUTE_UNROLL
   for (int kp = 0; kp < kDK / 16; ++kp) {
-    float4 mv[2];  // M_j[16 w + 8 n + g][16 kp + 4 t .. + 3]
+    float4 mv[2];
     CUTE_UNROLL
-    for (int n = 0; n < 2; ++n)
-      mv[n] = *reinterpret_cast<const float4*>(sM + scan_swz(16 * warp + 8 * n + g, 16 * kp + 4 * t));
+    for (int n = 0; n < 2; ++n) mv[n] = m(kp, n);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float4 sv = *reinterpret_cast<const float4*>(sF + scan_frag(kp, h, g, t));
@@ -294,6 +294,44 @@ __device__ __forceinline__ void scan_products(const float* sM, const float* sF, 
     for (int e = 0; e < 4; ++e) acc[n][e] = part[0][n][e] + part[1][n][e];
 }
 
+// A scan lane's places of S (accumulator layout): rows 16 w + 8 n + 2 t + e (e = 0, 1), columns
+// g and g + 8 of the CTA's slice; element q of a tile: row + (q & 1), column g + 8 (q >> 1).
+struct ScanLane {
+  const RecParams& p;
+  const ScanCta& sc;
+  int warp, g, t;
+  __device__ __forceinline__ float* map_of(int j) const { return map_at(p, sc.map0 + j, sc.hv); }  // [R_j | M_j]
+  __device__ __forceinline__ float* r_at(int j, int n, int q) const {  // R_j's element (rows of kMapCols)
+    return map_of(j) + (16 * warp + 8 * n + 2 * t + (q & 1)) * kMapCols + sc.c0 + g + 8 * (q >> 1);
+  }
+  __device__ __forceinline__ void load_r(int j, float (&r)[2][4]) const {
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n)
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) r[n][q] = *r_at(j, n, q);
+  }
+  // A tile of S into fragment order, rounded to tf32 once: rows 16 w + 8 n + 2 t (+ 1) are index
+  // 16 kp + 4 t' + 2 h + e with kp = w, t' = 2 n + t / 2, h = t & 1: one chunk, in the order
+  // (e, column half).
+  __device__ __forceinline__ void put_s(float* frag, int n, const float (&v)[4]) const {
+    auto r = [](float x) { return __uint_as_float(tf32_round(x)); };
+    *reinterpret_cast<float4*>(frag + scan_frag(warp, t & 1, g, 2 * n + t / 2)) = make_float4(r(v[0]), r(v[2]), r(v[1]), r(v[3]));
+  }
+  // S_{j+1} = acc + R_j: over R_j in the map, and in fragment order into sF_next.
+  __device__ __forceinline__ void finish_step(int j, const float (&acc)[2][4], const float (&r)[2][4], float* sF_next) const {
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) {
+      float v[4];
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        v[q] = acc[n][q] + r[n][q];
+        *r_at(j, n, q) = v[q];
+      }
+      put_s(sF_next, n, v);
+    }
+  }
+};
+
 __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
   extern __shared__ __align__(16) float scan_smem[];
   float* sM = scan_smem;                          // [kScanBufs][kDK * kDK]: M_j in buffer j % kScanBufs
@@ -302,28 +340,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   ScanCta sc;
   if (!scan_cta(p, &s_warm, sc)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  auto map_of = [&](int j) { return map_at(p, sc.map0 + j, sc.hv); };  // [R_j | M_j], rows of kMapCols
-  auto copy_m = [&](int j) { scan_copy_m(map_of(j), sM + (j % kScanBufs) * kDK * kDK); };
+  const ScanLane ln{p, sc, warp, lane / 4, lane % 4};
+  auto copy_m = [&](int j) { scan_copy_m(ln.map_of(j), sM + (j % kScanBufs) * kDK * kDK); };
   auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
-  // This lane's places of S (accumulator layout): rows 16 w + 8 n + 2 t + e (e = 0, 1), columns
-  // g and g + 8 of the slice. Element q of a tile: row + (q & 1), column g + 8 (q >> 1).
-  const int g = lane / 4, t = lane % 4;
-  auto at = [&](int j, int n, int q) {  // R_j's element (map row-major, kMapCols a row)
-    return map_of(j) + (16 * warp + 8 * n + 2 * t + (q & 1)) * kMapCols + sc.c0 + g + 8 * (q >> 1);
-  };
-  auto load_r = [&](int j, float (&r)[2][4]) {
-    CUTE_UNROLL
-    for (int n = 0; n < 2; ++n)
-      CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) r[n][q] = *at(j, n, q);
-  };
-  // A tile of S into fragment order, rounded to tf32 once: rows 16 w + 8 n + 2 t (+ 1) are index
-  // 16 kp + 4 t' + 2 h + e with kp = w, t' = 2 n + t / 2, h = t & 1: one chunk, in the order
-  // (e, column half).
-  auto put_s = [&](float* frag, int n, const float (&v)[4]) {
-    auto r = [](float x) { return __uint_as_float(tf32_round(x)); };
-    *reinterpret_cast<float4*>(frag + scan_frag(warp, t & 1, g, 2 * n + t / 2)) = make_float4(r(v[0]), r(v[2]), r(v[1]), r(v[3]));
-  };
   const int last = sc.np - 2;  // the last step
   // Test builds' timing variants (RecParams::skip; 0 in the library, results then wrong): 16
   // leaves out M's copies, 32 the products.
@@ -335,11 +354,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   float r_odd[2][4], r_even[2][4];  // R_j of the odd and the even steps
   {
     float s1[2][4];
-    load_r(0, s1);
-    load_r(1, r_odd);
-    if (last >= 2) load_r(2, r_even);
+    ln.load_r(0, s1);
+    ln.load_r(1, r_odd);
+    if (last >= 2) ln.load_r(2, r_even);
     CUTE_UNROLL
-    for (int n = 0; n < 2; ++n) put_s(sF + kScanFragFloats, n, s1[n]);  // S_1 = R_0 (step j reads buffer j & 1)
+    for (int n = 0; n < 2; ++n) ln.put_s(sF + kScanFragFloats, n, s1[n]);  // S_1 = R_0 (step j reads buffer j & 1)
   }
   auto step = [&](int j, float (&r)[2][4]) {
     asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
@@ -347,19 +366,14 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
     // (M_{j-1}'s buffer, S_{j-1}'s) is done, so those buffers take M_{j+2} and S_{j+1}.
     __syncthreads();
     float acc[2][4] = {};
-    if (products) scan_products(sM + (j % kScanBufs) * kDK * kDK, sF + (j & 1) * kScanFragFloats, warp, g, t, acc);
-    CUTE_UNROLL
-    for (int n = 0; n < 2; ++n) {
-      float v[4];
-      CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) {
-        v[q] = acc[n][q] + r[n][q];
-        *at(j, n, q) = v[q];  // S_{j+1} in place of R_j
-      }
-      put_s(sF + ((j + 1) & 1) * kScanFragFloats, n, v);
-    }
+    const float* sMj = sM + (j % kScanBufs) * kDK * kDK;
+    auto m = [&](int kp, int n) {
+      return *reinterpret_cast<const float4*>(sMj + scan_swz(16 * warp + 8 * n + ln.g, 16 * kp + 4 * ln.t));
+    };
+    if (products) scan_products(m, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
+    ln.finish_step(j, acc, r, sF + ((j + 1) & 1) * kScanFragFloats);  // S_{j+1} in place of R_j
     if (j + 2 <= last) {
-      load_r(j + 2, r);
+      ln.load_r(j + 2, r);
       if (copies) copy_m(j + 2);
     }
     commit();
@@ -370,6 +384,67 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+
+#ifdef QLA_SM90_TEST_HOOKS
+// split-12 candidate (test builds only: set_test_scan_direct; docs/design.md's perf log). What
+// the scan's step may be waiting on is shared memory: per step and SM, the copies of M_j write
+// 64 KiB and the products read them back (each warp its 16 rows, 8 KiB) besides reading S_j
+// (each warp all of it, 8 KiB): 192 KiB, ~1500 cycles at 128 bytes a cycle, most of the 1.84 us
+// step measured on the H100. Here each warp loads its own rows of M_j (the B fragments) straight
+// from the map into registers, one step ahead (a register set for odd steps, one for even, as R),
+// with no shared-memory copy of M: 64 KiB a step less written and read. The arithmetic, its
+// order and the results are those of gdn_fwd_scan (the same products in the same order).
+__device__ __forceinline__ float4 ld_nc_stream(const float* a) {  // read once per SM: no L1 line
+  float4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+               : "l"(a));
+  return r;
+}
+// Warp w's B fragments of M_j (map: [R_j | M_j], rows of kMapCols): m[kp][n] = M_j[16 w + 8 n +
+// g][16 kp + 4 t .. + 3], the values scan_products reads from shared memory.
+__device__ __forceinline__ void scan_load_m(const float* map, int warp, int g, int t, float4 (&m)[kDK / 16][2]) {
+  CUTE_UNROLL
+  for (int kp = 0; kp < kDK / 16; ++kp)
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) m[kp][n] = ld_nc_stream(map + (16 * warp + 8 * n + g) * kMapCols + kDV + 16 * kp + 4 * t);
+}
+constexpr size_t kScanDirectSmem = sizeof(float) * 2 * kScanFragFloats;
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_direct(const __grid_constant__ RecParams p) {
+  extern __shared__ __align__(16) float scan_smem[];
+  float* sF = scan_smem;  // [2][kScanFragFloats]: S_j in buffer j & 1
+  __shared__ int s_warm;
+  ScanCta sc;
+  if (!scan_cta(p, &s_warm, sc)) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const ScanLane ln{p, sc, warp, lane / 4, lane % 4};
+  const int last = sc.np - 2;
+  const bool loads = !(p.skip & 16), products = !(p.skip & 32);  // timing variants, as gdn_fwd_scan's
+  float4 m_odd[kDK / 16][2], m_even[kDK / 16][2];  // M_j of the odd and the even steps
+  float r_odd[2][4], r_even[2][4];
+  if (loads) scan_load_m(ln.map_of(1), warp, ln.g, ln.t, m_odd);
+  {
+    float s1[2][4];
+    ln.load_r(0, s1);
+    ln.load_r(1, r_odd);
+    if (last >= 2) ln.load_r(2, r_even);
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) ln.put_s(sF + kScanFragFloats, n, s1[n]);
+  }
+  auto step = [&](int j, float (&r)[2][4], const float4 (&mj)[kDK / 16][2], float4 (&m_next)[kDK / 16][2]) {
+    if (loads && j + 1 <= last) scan_load_m(ln.map_of(j + 1), warp, ln.g, ln.t, m_next);  // a step ahead
+    __syncthreads();  // S_j is in its buffer; every read of S_{j-1}'s buffer is done
+    float acc[2][4] = {};
+    if (products) scan_products([&](int kp, int n) { return mj[kp][n]; }, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
+    ln.finish_step(j, acc, r, sF + ((j + 1) & 1) * kScanFragFloats);
+    if (j + 2 <= last) ln.load_r(j + 2, r);
+  };
+  for (int j = 1; j <= last; j += 2) {
+    step(j, r_odd, m_odd, m_even);
+    if (j + 1 <= last) step(j + 1, r_even, m_even, m_odd);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace sm90
