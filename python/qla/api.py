@@ -265,16 +265,25 @@ def chunk_gated_delta_rule_fwd(
     split: Optional[bool] = None,
     split_chunks: Optional[int] = None,
     batch_invariant: bool = False,
+    state_pool: Optional[torch.Tensor] = None,
+    initial_state_indices: Optional[torch.Tensor] = None,
+    final_state_indices: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Low-level forward on already-preprocessed inputs (no autograd).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (natural-log decay, <= 0), beta: [B, T, HV];
     initial_state: [N, HV, K, V] fp32 ([N, HV, V, K] with state_v_first). Returns
     (o [B, T, HV, V] in q's dtype, final_state or None). States are fp32, or fp64 when
-    the inputs are fp64. split, split_chunks, batch_invariant: as in chunk_gated_delta_rule.
+    the inputs are fp64. split, split_chunks, batch_invariant, state_pool and its indices: as
+    in chunk_gated_delta_rule.
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
     batch_invariant = _check_bool("batch_invariant", batch_invariant)
+    if state_pool is not None or initial_state_indices is not None or final_state_indices is not None:
+        with torch.no_grad():
+            return _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                              split_mode, split_chunks, batch_invariant, cu_seqlens_cpu, False, state_pool,
+                              initial_state_indices, final_state_indices)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     scale = _resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or v.numel() == 0:

@@ -402,9 +402,13 @@ static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool gra
     std::vector<uint8_t> o1(ob), h1(hb), o2(ob), h2(hb);
     CK(cudaMemcpy(o1.data(), D.o, ob, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h1.data(), D.hT, hb, cudaMemcpyDeviceToHost));
+#ifdef QLA_SM90_TEST_HOOKS
     if (g_scan_bits) qla::sm90::set_test_scan_direct(1);
+#endif
     s = qla::sm90::forward(D.p);
+#ifdef QLA_SM90_TEST_HOOKS
     if (g_scan_bits) qla::sm90::set_test_scan_direct(0);
+#endif
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(o2.data(), D.o, ob, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h2.data(), D.hT, hb, cudaMemcpyDeviceToHost));

@@ -181,3 +181,21 @@ def test_cuda_pool_call_is_capturable_and_deterministic():
     pool.copy_(start)
     want_o, want_pool = _expected(x, cu, start, [1, 3], [1, 3])
     assert torch.equal(results[0][0], want_o) and torch.equal(results[0][1], want_pool)
+
+
+def test_low_level_forward_takes_the_pool_too():
+    x, cu = _varlen([25, 40], 1, 2, 8, 8, torch.float64, "cpu")
+    pool = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    want_o, want_pool = _expected(x, cu, pool, [1, 2], [1, 2])
+    ri = torch.tensor([1, 2])
+    o, ht = qla.chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, state_pool=pool,
+                                           initial_state_indices=ri, final_state_indices=ri)
+    assert ht is None and torch.equal(o, want_o) and torch.equal(pool, want_pool)
+
+
+def test_pool_refused_with_cp_context():
+    x, cu = _varlen([25, 40], 1, 2, 8, 8, torch.float64, "cpu")
+    with pytest.raises(ValueError, match="state_pool: expected None with cp_context"):
+        qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object(),
+                                   state_pool=torch.zeros(3, 2, 8, 8, dtype=torch.float64),
+                                   initial_state_indices=torch.tensor([0, 1]))
