@@ -138,11 +138,12 @@ struct GdnForwardParams {
   // from slot initial_state_indices[n], or from zeros where that index is negative.
   // final_state_indices likewise: sequence n's final state goes to slot final_state_indices[n] of
   // final_state, a pool of final_state_slots states, and nowhere where the index is negative.
-  // initial_state and final_state may be one pool: a slot may be written by one sequence only
-  // and read by no other. The CPU backend checks every index and returns an error naming it; the
-  // CUDA forward cannot report (no sync): an index at or past its pool's slots makes it write NaN
-  // to every element of o and of the final slots in range, as for malformed cu_seqlens, and the
-  // other rules are the caller's to keep.
+  // initial_state and final_state may be one pool (the same pointer, dtype and strides; other
+  // overlapping memory is refused): a slot may be written by one sequence only and read by no
+  // other (without indices, sequence n's slot is n). The CPU backend checks every index and
+  // returns an error naming it; the CUDA forward cannot report (no sync): an index at or past its
+  // pool's slots makes it write NaN to every element of o and of the final slots in range, as for
+  // malformed cu_seqlens, and the other rules are the caller's to keep.
   TensorRef initial_state_indices;
   TensorRef final_state_indices;
   int64_t initial_state_slots = 0;
@@ -209,9 +210,11 @@ struct GdnBackwardParams {
 };
 
 // Checks every argument and returns the workspace the call needs (0 on the CPU backend). The
-// size depends on the shapes, dtypes, options, the device and, when cu_seqlens_host is given,
-// on its values (the CUDA forward plans its path and pieces from the true lengths): query with
-// the params of the call itself. A call whose workspace_bytes is smaller returns an error.
+// size depends on the shapes, dtypes, options, the device, on whether the initial and final
+// states share memory (a split forward then copies h0), for fp16 on the scale (it may choose the
+// forward's path) and, when cu_seqlens_host is given, on its values (the CUDA forward plans its
+// path and pieces from the true lengths): query with the params of the call itself. A call whose
+// workspace_bytes is smaller returns an error.
 Status gdn_forward_workspace_size(const GdnForwardParams& p, size_t* bytes);
 Status gdn_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
 

@@ -140,10 +140,12 @@ def forward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_fina
                    batch_invariant, 0, pools)
         return o, ht
     if cu_seqlens_host is None:
-        # (pools[0] and pools[2] non-zero: the pool is both read and written, which a split call's
-        # workspace makes room for; the slot count changes nothing)
+        # Beside the shapes and options, what else chooses the path or the workspace: a pool both
+        # read and written (a split call copies h0), and for fp16 with unit rows declared, a scale
+        # outside the window the two-pass forward takes (path_rule in gdn_fwd_sm90.cu).
         key, host_ptr = ("fwd", shape, n, cu_seqlens is None, q.dtype, dev.index, qk_normalized, split_mode,
-                         split_chunks, batch_invariant, pools[0] != 0 and pools[2] != 0), 0
+                         split_chunks, batch_invariant, pools[0] != 0 and pools[2] != 0 and pools[4] > 0,
+                         q.dtype is torch.float16 and qk_normalized and not (1 / 64 <= abs(scale) <= 16384)), 0
     else:
         key, host_ptr = None, cu_seqlens_host.data_ptr()
     _run_cuda(_C.forward, _C.forward_workspace_size, key, shape, descs, scale, layout, dev, qk_normalized, split_mode,

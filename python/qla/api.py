@@ -359,6 +359,40 @@ def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v
     return o, (ht if output_final_state else None)
 
 
+def _pool_no_tokens(v, N, pool, init_idx, final_idx, output_final_state, q, k, g, beta, state_v_first):
+    """A pool call without tokens: each written slot takes the state its sequence starts from. The
+    indices are read on the host (a device synchronisation for CUDA indices, in this rare call
+    alone) and checked as the core checks them."""
+    S = pool.shape[0]
+    reads = None if init_idx is None else init_idx.tolist()
+    writes = None if final_idx is None else final_idx.tolist()
+    for name, vals, slots_name in (("initial_state_indices", reads, "initial_state_slots"),
+                                   ("final_state_indices", writes, "final_state_slots")):
+        for i, x in enumerate(vals or []):
+            if x >= S:
+                raise ValueError(f"{name}: expected entries below {slots_name}={S} (negative: no state), got {x} "
+                                 f"at index {i}")
+    if writes is not None:
+        writer = {}
+        for i, x in enumerate(writes):
+            if x >= 0 and writer.setdefault(x, i) != i:
+                raise ValueError(f"final_state_indices: expected distinct slots, got {x} at indices {writer[x]} and {i}")
+        for i, x in enumerate(reads or []):
+            if x >= 0 and writer.get(x, i) != i:
+                raise ValueError(f"initial_state_indices: slot {x} (read by sequence {i}) is written by another "
+                                 f"sequence (sequence {writer[x]}) in the same pool; expected a sequence to read only "
+                                 f"slots no other sequence writes")
+    start = torch.zeros((N,) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    for i, x in enumerate(reads or []):
+        if x >= 0:
+            start[i] = pool[x]
+    for i, x in enumerate(writes or []):
+        if x >= 0:
+            pool[x] = start[i]
+    ht = start if output_final_state and final_idx is None else None
+    return _empty_outputs(q, k, v, g, beta, N, False, None, state_v_first)[0], ht
+
+
 def _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,
                split_chunks, batch_invariant, cu_seqlens_cpu, qk_normalized, pool, init_idx, final_idx):
     """chunk_gated_delta_rule with a state pool (inference), after the preprocessing."""
@@ -396,22 +430,8 @@ def _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state
         raise ValueError("state_pool: the pool is read and written in place, for inference; expected no tensor that "
                          "requires grad (call under torch.no_grad(), or pass initial_state for training)")
     scale = _resolve_scale(scale, q.shape[-1])
-    if q.numel() == 0 or v.numel() == 0:  # no tokens: each written slot takes the state it starts from
-        o = torch.zeros_like(v)
-        if final_idx is not None and N > 0:
-            start = torch.zeros((N,) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-            if init_idx is not None:
-                got = init_idx >= 0
-                start[got] = pool[init_idx[got].long()]
-            wrote = final_idx >= 0
-            pool[final_idx[wrote].long()] = start[wrote]
-        ht = None
-        if output_final_state and final_idx is None:
-            ht = _empty_outputs(q, k, v, g, beta, N, True, None, state_v_first)[1]
-            if init_idx is not None:
-                got = init_idx >= 0
-                ht[got] = pool[init_idx[got].long()]
-        return o, ht
+    if q.numel() == 0 or v.numel() == 0:
+        return _pool_no_tokens(v, N, pool, init_idx, final_idx, output_final_state, q, k, g, beta, state_v_first)
     host_cu = _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu)
     if torch.compiler.is_compiling():  # the op that declares the pool's mutation
         o, ht = _ops.gdn_fwd_pool(q, k, v, g, beta, scale, pool, init_idx, final_idx, cu_seqlens, output_final_state,

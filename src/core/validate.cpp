@@ -194,8 +194,7 @@ Status validate_forward(const GdnForwardParams& p) {
                              "initial_state_slots", p.initial_state_slots, n, p.device, &reads));
   QLA_TRY(check_pool_indices("final_state_indices", p.final_state_indices, "final_state", p.final_state.data,
                              "final_state_slots", p.final_state_slots, n, p.device, &writes));
-  if (!writes.empty()) {
-    // No two sequences write one slot, and, in one pool, none reads a slot another writes.
+  if (!writes.empty()) {  // no two sequences write one slot
     std::unordered_map<int64_t, int64_t> writer;
     for (int64_t i = 0; i < n; ++i) {
       if (writes[i] < 0) continue;
@@ -207,15 +206,37 @@ Status validate_forward(const GdnForwardParams& p) {
         return invalid(os.str());
       }
     }
-    const bool one_pool = p.initial_state.data == p.final_state.data;
-    for (int64_t i = 0; one_pool && i < static_cast<int64_t>(reads.size()); ++i) {
-      auto it = reads[i] >= 0 ? writer.find(reads[i]) : writer.end();
-      if (it != writer.end() && it->second != i) {
-        std::ostringstream os;
-        os << "initial_state_indices: slot " << reads[i] << " (index " << i
-           << ") is written by another sequence (final_state_indices at index " << it->second
-           << ") in the same pool; expected a sequence to read only slots no other sequence writes";
-        return invalid(os.str());
+  }
+  if (p.initial_state.data && p.final_state.data && forward_states_overlap(p)) {
+    // Shared memory must be one tensor (one pool: the same pointer, dtype and strides), in which
+    // no sequence reads a slot another writes (the kernels read every state before any is written
+    // only under that rule). Without indices sequence n's slot is n.
+    const TensorRef& a = p.initial_state;
+    const MutTensorRef& b = p.final_state;
+    if (a.data != b.data || a.dtype != b.dtype || a.stride[0] != b.stride[0] || a.stride[1] != b.stride[1] ||
+        a.stride[2] != b.stride[2])
+      return invalid("final_state: expected memory apart from initial_state's, or the same tensor (one pool: the same "
+                     "pointer, dtype and strides); got overlapping memory of another view");
+    if (p.device == Device::kCpu || (!p.initial_state_indices.data && !p.final_state_indices.data)) {
+      auto slot = [&](const std::vector<int64_t>& v, const TensorRef& idx, int64_t i) {
+        return idx.data ? v[i] : i;
+      };
+      std::unordered_map<int64_t, int64_t> writer;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t w = slot(writes, p.final_state_indices, i);
+        if (w >= 0) writer.emplace(w, i);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = slot(reads, p.initial_state_indices, i);
+        auto it = r >= 0 ? writer.find(r) : writer.end();
+        if (it != writer.end() && it->second != i) {
+          std::ostringstream os;
+          os << (p.initial_state_indices.data ? "initial_state_indices" : "final_state_indices") << ": slot " << r
+             << " (read by sequence " << i
+             << ") is written by another sequence (sequence " << it->second
+             << ") in the same pool; expected a sequence to read only slots no other sequence writes";
+          return invalid(os.str());
+        }
       }
     }
   }

@@ -31,7 +31,6 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
-#include <utility>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -40,6 +39,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "../backends.h"
+#include "../core/validate.h"  // forward_states_overlap
 #include "common.cuh"
 #include "prep.cuh"
 #include "inverse.cuh"
@@ -222,23 +222,6 @@ struct WsLayout {
   size_t table = 0, places = 0, ready = 0, pieces = 0, plan = 0, regions = 0, maps = 0, h0_copy = 0, total = 0;
   bool copy_h0 = false;  // split, with initial and final states in shared memory (RecParams::h0_copy)
 };
-// The bytes [first, last] a state tensor (or pool) of `count` states spans (count == 0: none).
-std::pair<uintptr_t, uintptr_t> state_span(const void* data, const int64_t* st, int64_t count, int64_t HV) {
-  const auto at = reinterpret_cast<uintptr_t>(data);
-  if (!data || count <= 0) return {1, 0};
-  int64_t lo = 0, hi = 0;  // element offsets: strides may be negative
-  for (int64_t ext : {(count - 1) * st[0], (HV - 1) * st[1], (kDK - 1) * st[2]}) (ext < 0 ? lo : hi) += ext;
-  hi += kDV - 1;  // the contiguous last dimension (K = V on this backend)
-  return {at + static_cast<uintptr_t>(lo * 4), at + static_cast<uintptr_t>(hi * 4 + 3)};
-}
-bool states_overlap(const GdnForwardParams& p) {
-  const int64_t N = num_seqs(p), HV = p.shape.num_v_heads;
-  const auto a = state_span(p.initial_state.data, p.initial_state.stride,
-                            p.initial_state_indices.data ? p.initial_state_slots : N, HV);
-  const auto b = state_span(p.final_state.data, p.final_state.stride,
-                            p.final_state_indices.data ? p.final_state_slots : N, HV);
-  return a.first <= a.second && b.first <= b.second && a.first <= b.second && b.first <= a.second;
-}
 WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   const size_t N = static_cast<size_t>(num_seqs(p));
@@ -254,7 +237,7 @@ WsLayout ws_layout(const GdnForwardParams& p, const SplitChoice& sc) {
   w.regions = w.plan + (sc.device_plan ? up(8) : 0);
   w.maps = w.regions + up(mc * HV * (sc.fused ? kInvRegionBytes : kRegionBytes));
   const size_t maps = static_cast<size_t>(sc.max_maps) * HV * kDK * kMapCols * 4;
-  w.copy_h0 = sc.max_pieces > 0 && states_overlap(p);
+  w.copy_h0 = sc.max_pieces > 0 && forward_states_overlap(p);
   w.h0_copy = w.maps + up(maps);
   w.total = w.copy_h0 ? w.h0_copy + static_cast<size_t>(sc.max_maps) * HV * kDK * kDV * 4 : w.maps + maps;
   return w;

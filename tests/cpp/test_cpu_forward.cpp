@@ -173,4 +173,11 @@ TEST(CpuForward, StatePoolInPlace) {
   f.final_state_indices = {writes, qla::DType::kFloat32, {1, 0, 0}};
   s = qla::gdn_forward(f);
   EXPECT_NE(s.message().find("final_state_indices: expected dtype int32 or int64"), std::string::npos) << s.message();
+  const int32_t shifted[3] = {3, 0, 2};
+  f.final_state_indices = {shifted, qla::DType::kInt32, {1, 0, 0}};
+  f.final_state.data = pool.data() + M;  // the same memory seen from another slot: refused
+  f.final_state_slots = S - 1;
+  s = qla::gdn_forward(f);
+  EXPECT_NE(s.message().find("final_state: expected memory apart from initial_state's"), std::string::npos)
+      << s.message();
 }

@@ -199,3 +199,25 @@ def test_pool_refused_with_cp_context():
         qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object(),
                                    state_pool=torch.zeros(3, 2, 8, 8, dtype=torch.float64),
                                    initial_state_indices=torch.tensor([0, 1]))
+
+
+def test_pool_with_no_tokens_checks_its_indices():
+    x, cu = _varlen([0, 0], 1, 2, 8, 8, torch.float64, "cpu")
+    pool = torch.zeros(3, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="initial_state_indices: expected entries below initial_state_slots=3"):
+        _pool_call(x, cu, pool, [3, 0], None)
+    with pytest.raises(ValueError, match="final_state_indices: expected distinct slots"):
+        _pool_call(x, cu, pool, None, [1, 1])
+    with pytest.raises(ValueError, match="written by another sequence"):
+        _pool_call(x, cu, pool, [1, 2], [0, 1])
+
+
+def test_overlapping_states_of_another_view_are_refused():
+    # One pool is the same tensor; overlapping memory behind another view could be written before
+    # it is read, so it is refused (the core's check, C++ and Python alike).
+    x, cu = _varlen([10, 12], 1, 2, 8, 8, torch.float64, "cpu")
+    pool = torch.zeros(4, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="final_state: expected memory apart from initial_state's"):
+        qla._ops.forward_impl(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, pool[1:3], cu, False, False, False,
+                              qla._ops.SPLIT_AUTO, 0, False, None, pool[0:3],
+                              None, torch.tensor([0, 1]))
