@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
           tma_load_4d(dst + Cfg::kStQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, static_cast<int>(b), &full[st]);
           tma_load_4d(dst + Cfg::kStK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, static_cast<int>(b), &full[st]);
         }
-        // Rows past the sequence end belong to the next sequence: the A rows and scale e^gamma
-        // there are zero (prep), so they reach neither dU nor dS.
+        // Rows past the sequence end belong to the next sequence: the side warpgroup zeroes its
+        // Q and dO rows there once they land (and the A rows and scale e^gamma there are zero).
         tma_load_4d(dst + Cfg::kStO, &p.tmdo32, v0, hv, tok, static_cast<int>(b), &full[st]);
         bulk_g2s(dst + Cfg::kStG, src + kF32Off + kFGq * 4, kGateBytes, &full[st]);
       }
@@ -293,11 +293,12 @@ __global__ void __launch_bounds__(288, 1) gdn_bwd_reverse(const __grid_constant_
       mbar_wait(&full[st], (it / kStages) & 1);
       if (const int len = static_cast<int>(slen - static_cast<int64_t>(nch - 1 - it) * kC); len < kC) {
         // The sequence's last chunk (the first here): Q's and dO's rows past its end zeroed
-        // (dO's box: 32 columns, rows of 64 bytes) before anything reads them (the fence below
-        // orders them before the products).
+        // (dO's box: 32 columns, rows of 64 bytes) before anything reads them; the fence orders
+        // the zeros before the products' async-proxy reads here, not only through the one below.
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(stb + Cfg::kStQ) + h * kQKBytes / 2, len, wt, 128);
         zero_box_rows(smem_u32(sO), len, wt, 128, 2 * VT);
+        fence_async_smem();
         asm volatile("bar.sync 2, 128;" ::: "memory");  // side warpgroup only
       }
 

@@ -536,8 +536,8 @@ __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta&
   const int hq = tile.hv / (p.HV / p.H);
   for (int c = 0; c < role.nch; ++c) {
     const int st = c % Cfg::kStages;
-    // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end):
-    // finite; their beta is 0 (Tu's columns), their gates 0, their O rows are not stored.
+    // Rows past the sequence end are the next sequence's tokens (zeros past the tensor end): the
+    // aux zeroes their K, Q and V once they land (aux_convert_qk); their O rows are not stored.
     const int tok = static_cast<int>(tile.t0) + (role.c0 + c) * kC, bb = static_cast<int>(tile.b);
     const size_t region = static_cast<size_t>(tile.ci0 + role.c0 + c) * p.HV + tile.hv;
     mbar_wait(&empty[st], ((c / Cfg::kStages) & 1) ^ 1);

@@ -102,7 +102,7 @@ __device__ __forceinline__ InvRegion with_gates(const PrepParams& p, int tid, In
   }
   return q;
 }
-// The item's K tile: two 64-column boxes (rows past the sequence end: finite, beta = 0).
+// The item's K tile: two 64-column boxes (rows past the sequence end: zeroed once they land).
 __device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK, uint64_t* bar, int tid, const InvRegion& q) {
   if (tid == 0) {
     const int hq = p.values_per_key.div(q.hv);
@@ -226,9 +226,8 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
           k0 = b == warp ? ((g8 & 1) ? kk(8 * b + 1) : kk(8 * b)) : k0;
           k1 = b == warp ? ((g8 & 1) ? kk(8 * b + 7) : kk(8 * b + 6)) : k1;
         }
-        // Rows past the chunk's end (the next sequence's keys) get theirs too: the fused
-        // recurrence multiplies them by zeros (beta, the gates), which an fp16 copy of a bf16
-        // key of norm ~2^17 left unscaled would turn into NaN (0 x Inf); kn excludes them.
+        // Rows past the chunk's end get one too (0: their keys are zeroed here and in the fused
+        // recurrence's aux before any product reads them); kn excludes them.
         sKexp[r0] = k0 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k0) >> 1))) : 0;
         sKexp[r1] = k1 > 0.f ? max(-30, min(30, -(float_exponent(2.f * k1) >> 1))) : 0;
       }

@@ -205,7 +205,8 @@ def poisoned_sequences(x):
 
 
 @pytest.mark.parametrize("lens,H,HV,split_chunks", [([10, 118, 40], 2, 24, None), ([200, 300, 150], 2, 24, 1),
-                                                     ([10, 118, 40], 1, 2, None)])
+                                                     ([10, 118, 40], 1, 2, None), ([65, 63, 40], 2, 24, None),
+                                                     ([65, 63, 40], 1, 2, None)])  # (last chunks of 1 and 63 rows)
 def test_a_sequence_s_bits_do_not_depend_on_the_next_sequence_s_tokens(lens, H, HV, split_chunks):
     # A sequence ending inside a chunk shares the chunk's tiles with the next sequence's first
     # tokens. Whatever those hold (finite values far beyond the others, Inf, NaN; in q, k, v, g
