@@ -65,6 +65,11 @@ Status bwd_check_supported(const GdnBackwardParams& p) {
     return ns(std::string("q/k/v must be bf16 or fp16 (got ") + dt_name(dq) + ")");
   for (DType d : {p.k.dtype, p.v.dtype, p.d_o.dtype, p.dq.dtype, p.dk.dtype, p.dv.dtype})
     if (d != dq) return ns("q, k, v, do, dq, dk and dv must share one dtype");
+  // The prep's score images fold scale in, as hi/lo pairs of the input dtype: outside the window
+  // of host_util.cuh fp16 overflows or falls to subnormals. Refused rather than wrong.
+  if (dq == DType::kFloat16 && !fp16_scale_in_window(p.scale))
+    return ns("scale: with fp16 inputs |scale| must lie in [1/64, 16384] (its score images are fp16), got " +
+              std::to_string(p.scale) + "; bf16 inputs take any scale");
   for (DType d : {p.g.dtype, p.beta.dtype, p.dg.dtype, p.dbeta.dtype})
     if (d != DType::kFloat32 && d != DType::kBFloat16 && d != DType::kFloat16)
       return ns(std::string("g, beta, dg and dbeta must be fp32, bf16 or fp16 (got ") + dt_name(d) + ")");

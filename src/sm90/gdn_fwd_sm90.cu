@@ -112,14 +112,11 @@ ChunkCounts chunk_counts(const GdnForwardParams& p) {
 // always (the choice would depend on the rest of the batch). fp16 inputs take it at any size
 // unless q, k are declared unit-norm: the two-pass forward's fp16 operand images overflow for
 // keys far from unit norm (|k| ~ 2^9: o error 1.4e-2), the fused forward scales them; and so
-// they do for a scale outside [kFp16ScaleMin, kFp16ScaleMax], which the two-pass forward folds
-// into its fp16 hi/lo score images A = scale e^(gamma_i - gamma_j) q_i.k_j (|q.k| <= 1): above,
-// A overflows fp16 (65504); below, A's typical entries (~0.09 scale at d = 128) fall to fp16
-// subnormals, whose spacing 2^-24 is then more than 1e-4 of them. The fused forward applies
-// scale to o alone, in fp32. Depends on the params and the host lengths (cu_seqlens_host) when
+// they do for a scale outside [kFp16ScaleMin, kFp16ScaleMax] (host_util.cuh), which the two-pass
+// forward folds into its fp16 score images; the fused forward applies scale to o alone, in
+// fp32. Depends on the params and the host lengths (cu_seqlens_host) when
 // given, never on device data, so a workspace query with the same params agrees with the launch.
 constexpr int64_t kFusedMinPairs = 20;
-constexpr double kFp16ScaleMin = 1.0 / 64, kFp16ScaleMax = 16384.0;
 constexpr int64_t kFusedMinChunks = 64;
 enum class Path { kTwoPass, kFused, kFusedIfSplit };
 Path path_rule(const GdnForwardParams& p) {
@@ -128,7 +125,7 @@ Path path_rule(const GdnForwardParams& p) {
   if (g_test_overlap >= 0 || g_test_stages != 3) return Path::kTwoPass;  // two-pass options
 #endif
   if (p.q.dtype == DType::kFloat16 &&
-      (!p.qk_l2_normalized || !(std::fabs(p.scale) >= kFp16ScaleMin && std::fabs(p.scale) <= kFp16ScaleMax)))
+      (!p.qk_l2_normalized || !fp16_scale_in_window(p.scale)))
     return Path::kFused;
   if (p.split == SplitMode::kOn || p.batch_invariant) return Path::kFused;
   if (num_seqs(p) * p.shape.num_v_heads >= kFusedMinPairs) return Path::kFused;

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -18,6 +19,15 @@ namespace qla {
 namespace sm90 {
 // Anonymous: each translation unit keeps its own cache (its kernels' shared-memory opt-ins).
 namespace {
+
+// The scales whose fp16 score images (scale e^(gamma_i - gamma_j) q_i.k_j as hi/lo pairs, in the
+// two-pass forward's and the backward's prep) stay normal and finite for unit rows: above, fp16
+// overflows (65504); below, the images' typical entries (~0.09 scale at d = 128) fall to
+// subnormals, whose spacing 2^-24 is then more than 1e-4 of them.
+constexpr double kFp16ScaleMin = 1.0 / 64, kFp16ScaleMax = 16384.0;
+inline bool fp16_scale_in_window(double scale) {
+  return std::fabs(scale) >= kFp16ScaleMin && std::fabs(scale) <= kFp16ScaleMax;
+}
 
 Status cuda_err(cudaError_t e, const char* what) {
   return Status::Error(StatusCode::kCudaError, std::string("sm90: ") + what + ": " + cudaGetErrorString(e));

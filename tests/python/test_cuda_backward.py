@@ -199,3 +199,14 @@ def test_a_sequence_s_gradients_do_not_depend_on_the_next_sequence_s_tokens(H, H
             for name in ("q", "k", "v", "g", "beta"):
                 assert torch.equal(got[name][:, s], ref[name][:, s]), (name, n, bad, value)
             assert torch.equal(got["initial_state"][n], ref["initial_state"][n]), ("initial_state", n, bad, value)
+
+
+@pytest.mark.parametrize("scale", [3e4, 1e-5])
+def test_fp16_scale_outside_the_backward_s_window_is_refused(scale):
+    # The backward's score images fold scale in as fp16 pairs: outside [1/64, 16384] they would
+    # overflow or fall to subnormals, so the call is refused by name instead (bf16 takes any).
+    x = _inputs([100, 60], 1, 2, "mild", dtype=torch.float16, seed=44)
+    q = x["q"].detach().clone().requires_grad_(True)
+    o, _ = qla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], scale=scale, cu_seqlens=x["cu_seqlens"])
+    with pytest.raises(ValueError, match=r"scale: with fp16 inputs \|scale\| must lie in \[1/64, 16384\]"):
+        o.sum().backward()
