@@ -270,19 +270,17 @@ snap
 
 if want scan-ab; then
   # A scan against another (split-11): .ab/fwd_old and .ab/fwd_new, test builds from two trees
-  # (carry .ab); SCAN_OLD_ENV, SCAN_NEW_ENV: each binary's environment (e.g. one binary as both
-  # and SCAN_NEW_ENV=QLA_TEST_SCAN_DIRECT=1 for the split-12 candidate, gdn_fwd_scan_direct).
+  # (carry .ab); SCAN_OLD_ENV, SCAN_NEW_ENV: each binary's environment (for a build with a
+  # test hook choosing between scans, one binary as both).
   # The new binary's --split and default suites, the scan's ncu time
   # at 2/8 1x32768 (bench row 2) at the plan's pieces and at pieces of 16 and 8 chunks (31 and
   # 63 steps) for both, the new scan's step without its copies or products (timing variants),
-  # then the new split bench. About 280 s.
+  # then the new split bench. About 220 s.
   {
     echo "== new: suite --split"
     env X=1 ${SCAN_NEW_ENV:-} timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|max o" | tail -8
     echo "== new: default suite"
     env X=1 ${SCAN_NEW_ENV:-} timeout 150 .ab/fwd_new 2>&1 | grep -E "FAIL|PASSED" | tail -4
-    echo "== new: suite --split, each case's second call on gdn_fwd_scan_direct (bitwise equal)"
-    QLA_TEST_SCAN_BITS=1 timeout 150 .ab/fwd_new --split 2>&1 | grep -E "FAIL|PASSED|differs" | tail -8
     for c in auto 16 8; do
       envs=(X=1)
       [[ $c != auto ]] && envs+=("QLA_TEST_SPLIT_CHUNKS=$c")
@@ -297,7 +295,7 @@ if want scan-ab; then
       done
     done
     # What sets the scan's step (pieces of 8 chunks, 63 steps; results wrong): as is, without
-    # M's copies (16), without the products (32), without both (48).
+    # M's loads (16), without the products (32), without both (48).
     for sk in 0 16 32 48; do
       echo "== new: scan without (skip $sk): us (K1, pass 0, scan, pass 1)"
       env ${SCAN_NEW_ENV:-} QLA_TEST_FUSED_SKIP=$sk QLA_TEST_SPLIT_CHUNKS=8 ncu --clock-control none --metrics gpu__time_duration.sum \

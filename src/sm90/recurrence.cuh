@@ -46,7 +46,7 @@ struct RecParams {
   int warm_max;       // ... within this many chunks (0: never; at most kWarmMaxChunks, split.cuh)
   // Test builds only (set_test_fused_skip): what the fused recurrence leaves out, for timing
   // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
-  // gates), 8 o's stores; the scan (split.cuh): 16 M's copies, 32 the products. 0 in the library.
+  // gates), 8 o's stores; the scan (split.cuh): 16 M's loads, 32 the products. 0 in the library.
   int skip;
   // A split call's pass 0 runs the lean kernel (gdn_fwd_chunks<.., true>, split-8 in
   // docs/design.md): its CTAs write no o; pass 1 runs piece 0 again from h0, and the whole

@@ -174,21 +174,20 @@ __device__ __forceinline__ PieceRole piece_role(const RecParams& p, const PieceC
 //   - the reduction index is permuted (one bijection on A's columns and B's rows: the same sum
 //     in another order): fragment slot t of k8 step 2 kp + h is index 16 kp + 4 t + 2 h, slot
 //     t + 4 the next one, so a lane's B fragments (M_j's row, two adjacent floats) come from one
-//     16-byte load of M_j (row-major in shared memory, scan_swz: bit 4 of the index flipped on
-//     odd rows, which makes those loads and the copies free of bank conflicts), and S_j is kept
-//     in shared memory in fragment order (scan_frag): one 16-byte load per A fragment, one
-//     16-byte store per n8 tile of S_{j+1}; bench/scan_mma_layout.py checks these layouts;
-//   - nothing the chain does not need waits inside it: M_j is copied into shared memory two
-//     steps ahead (kScanBufs buffers, every thread's 16-byte cp.async, issued after the step's
-//     products), and R_j is loaded into registers two steps ahead (one register set for odd
-//     steps, one for even: a move between sets would wait for the load).
+//     16-byte load of M_j, and S_j is kept in shared memory in fragment order (scan_frag): one
+//     16-byte load per A fragment, one 16-byte store per n8 tile of S_{j+1};
+//     bench/scan_mma_layout.py checks these layouts;
+//   - each warp loads its own rows of M_j (its B fragments, 8 KiB) straight from the map into
+//     registers, a step ahead (a register set for odd steps, one for even), with no copy of M
+//     through shared memory (split-12: the copies' 64 KiB a step written and read back there
+//     made the step 1.84 us, 1.56 without them on the H100); R_j is loaded two steps ahead
+//     (its own odd and even sets: a move between sets would wait for the load).
 // A fixed order of products and sums: bitwise deterministic.
 constexpr int kScanCols = 16;
 constexpr int kScanThreads = 256;
-constexpr int kScanBufs = 3;  // M_j being read, M_{j+1} landing, M_{j+2} being copied
 static_assert(kScanThreads / 32 * 16 == kDK, "a warp per 16 rows of S_{j+1}: two n8 tiles");
 constexpr int kScanFragFloats = kScanCols * kDK;  // S_j in fragment order, one buffer
-constexpr size_t kScanSmem = sizeof(float) * (kScanBufs * kDK * kDK + 2 * kScanFragFloats);
+constexpr size_t kScanSmem = sizeof(float) * 2 * kScanFragFloats;
 
 // Where a split sequence's initial and final states share memory (RecParams::h0_copy), the
 // scan CTAs of (sequence n, value head hv) copy their 16 columns of its h0 (zeros for a
@@ -231,21 +230,6 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
   return true;
 }
 
-// M_j's K x K block of a map ([R_j | M_j], rows of kMapCols) into shared memory by every
-// thread's 16-byte cp.async: thread tid copies rows tid / 32 + 8 q, so a warp copies one row's
-// 512 contiguous bytes (coalesced). The caller commits the group.
-__device__ __forceinline__ int scan_swz(int r, int x) { return r * kDK + (x ^ ((r & 1) << 4)); }
-__device__ __forceinline__ void scan_copy_m(const float* map, float* dst) {
-  static_assert(kScanThreads == 8 * 32, "8 warps: rows w + 8 q");
-  const int tid = threadIdx.x;
-  const float* src = map + (tid / 32) * kMapCols + kDV + 4 * (tid % 32);
-  CUTE_UNROLL
-  for (int q = 0; q < kDK / 8; ++q)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst + scan_swz(tid / 32 + 8 * q, 4 * (tid % 32)))),
-                 "l"(src + 8 * q * kMapCols)
-                 : "memory");
-}
-
 // S_j in fragment order: the 16-byte chunk of lane (g, t) for k8 step 2 kp + h holds
 // S[k][g], S[k][g + 8], S[k + 1][g], S[k + 1][g + 8] (k = 16 kp + 4 t + 2 h; columns of the
 // CTA's slice): the A fragment a0 .. a3. Chunks ordered (kp, h, g, t).
@@ -265,18 +249,15 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // One step's products for warp w, lane 4 g + t: acc[n] = (S_j^T M_j^T)[columns g, g + 8 of the
-// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. m(kp, n): the lane's B
-// fragments M_j[16 w + 8 n + g][16 kp + 4 t .. + 3] (tf32 values, rounded by pass 0 where it
-// wrote the map); sF: S_j (scan_frag, tf32 values). Two accumulators per tile (h = 0, 1) halve
-// the dependent mma chain.
-template <class FetchM>
-__device__ __forceinline__ void scan_products(FetchM m, const float* sF, int g, int t, float (&acc)[2][4]) {
+// slice][rows 16 w + 8 n + 2 t, + 1] in the m16n8 accumulator layout. m: the lane's B fragments
+// (scan_load_m); sF: S_j (scan_frag, tf32 values). Two accumulators per tile (h = 0, 1) halve the
+// dependent mma chain.
+__device__ __forceinline__ void scan_products(const float4 (&m)[kDK / 16][2], const float* sF, int g, int t,
+                                              float (&acc)[2][4]) {
   float part[2][2][4] = {};
   CUTE_UNROLL
   for (int kp = 0; kp < kDK / 16; ++kp) {
-    float4 mv[2];
-    CUTE_UNROLL
-    for (int n = 0; n < 2; ++n) mv[n] = m(kp, n);
+    const float4 (&mv)[2] = m[kp];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const float4 sv = *reinterpret_cast<const float4*>(sF + scan_frag(kp, h, g, t));
@@ -332,69 +313,8 @@ struct ScanLane {
   }
 };
 
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
-  extern __shared__ __align__(16) float scan_smem[];
-  float* sM = scan_smem;                          // [kScanBufs][kDK * kDK]: M_j in buffer j % kScanBufs
-  float* sF = scan_smem + kScanBufs * kDK * kDK;  // [2][kScanFragFloats]: S_j in buffer j & 1
-  __shared__ int s_warm;
-  ScanCta sc;
-  if (!scan_cta(p, &s_warm, sc)) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const ScanLane ln{p, sc, warp, lane / 4, lane % 4};
-  auto copy_m = [&](int j) { scan_copy_m(ln.map_of(j), sM + (j % kScanBufs) * kDK * kDK); };
-  auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };
-  const int last = sc.np - 2;  // the last step
-  // Test builds' timing variants (RecParams::skip; 0 in the library, results then wrong): 16
-  // leaves out M's copies, 32 the products.
-  const bool copies = !(p.skip & 16), products = !(p.skip & 32);
-  if (copies) copy_m(1);
-  commit();
-  if (last >= 2 && copies) copy_m(2);
-  commit();  // (one group per step from here on, empty when nothing is left to copy)
-  float r_odd[2][4], r_even[2][4];  // R_j of the odd and the even steps
-  {
-    float s1[2][4];
-    ln.load_r(0, s1);
-    ln.load_r(1, r_odd);
-    if (last >= 2) ln.load_r(2, r_even);
-    CUTE_UNROLL
-    for (int n = 0; n < 2; ++n) ln.put_s(sF + kScanFragFloats, n, s1[n]);  // S_1 = R_0 (step j reads buffer j & 1)
-  }
-  auto step = [&](int j, float (&r)[2][4]) {
-    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of M_j
-    // Everyone's copies of M_j have landed and S_j is in its buffer; every read of step j - 1
-    // (M_{j-1}'s buffer, S_{j-1}'s) is done, so those buffers take M_{j+2} and S_{j+1}.
-    __syncthreads();
-    float acc[2][4] = {};
-    const float* sMj = sM + (j % kScanBufs) * kDK * kDK;
-    auto m = [&](int kp, int n) {
-      return *reinterpret_cast<const float4*>(sMj + scan_swz(16 * warp + 8 * n + ln.g, 16 * kp + 4 * ln.t));
-    };
-    if (products) scan_products(m, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
-    ln.finish_step(j, acc, r, sF + ((j + 1) & 1) * kScanFragFloats);  // S_{j+1} in place of R_j
-    if (j + 2 <= last) {
-      ln.load_r(j + 2, r);
-      if (copies) copy_m(j + 2);
-    }
-    commit();
-  };
-  for (int j = 1; j <= last; j += 2) {
-    step(j, r_odd);
-    if (j + 1 <= last) step(j + 1, r_even);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
-#ifdef QLA_SM90_TEST_HOOKS
-// split-12 candidate (test builds only: set_test_scan_direct; docs/design.md's perf log). What
-// the scan's step may be waiting on is shared memory: per step and SM, the copies of M_j write
-// 64 KiB and the products read them back (each warp its 16 rows, 8 KiB) besides reading S_j
-// (each warp all of it, 8 KiB): 192 KiB, ~1500 cycles at 128 bytes a cycle, most of the 1.84 us
-// step measured on the H100. Here each warp loads its own rows of M_j (the B fragments) straight
-// from the map into registers, one step ahead (a register set for odd steps, one for even, as R),
-// with no shared-memory copy of M: 64 KiB a step less written and read. The arithmetic, its
-// order and the results are those of gdn_fwd_scan (the same products in the same order).
-__device__ __forceinline__ float4 ld_nc_stream(const float* a) {  // read once per SM: no L1 line
+// M_j's fragments are read once per SM (each CTA its own copy of the map's rows): no L1 line.
+__device__ __forceinline__ float4 ld_nc_stream(const float* a) {
   float4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
@@ -402,15 +322,14 @@ __device__ __forceinline__ float4 ld_nc_stream(const float* a) {  // read once p
   return r;
 }
 // Warp w's B fragments of M_j (map: [R_j | M_j], rows of kMapCols): m[kp][n] = M_j[16 w + 8 n +
-// g][16 kp + 4 t .. + 3], the values scan_products reads from shared memory.
+// g][16 kp + 4 t .. + 3] (tf32 values, rounded by pass 0).
 __device__ __forceinline__ void scan_load_m(const float* map, int warp, int g, int t, float4 (&m)[kDK / 16][2]) {
   CUTE_UNROLL
   for (int kp = 0; kp < kDK / 16; ++kp)
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n) m[kp][n] = ld_nc_stream(map + (16 * warp + 8 * n + g) * kMapCols + kDV + 16 * kp + 4 * t);
 }
-constexpr size_t kScanDirectSmem = sizeof(float) * 2 * kScanFragFloats;
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_direct(const __grid_constant__ RecParams p) {
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
   extern __shared__ __align__(16) float scan_smem[];
   float* sF = scan_smem;  // [2][kScanFragFloats]: S_j in buffer j & 1
   __shared__ int s_warm;
@@ -419,7 +338,9 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_direct(const __g
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const ScanLane ln{p, sc, warp, lane / 4, lane % 4};
   const int last = sc.np - 2;
-  const bool loads = !(p.skip & 16), products = !(p.skip & 32);  // timing variants, as gdn_fwd_scan's
+  // Test builds' timing variants (RecParams::skip; 0 in the library, results then wrong): 16
+  // leaves out M's loads, 32 the products.
+  const bool loads = !(p.skip & 16), products = !(p.skip & 32);
   float4 m_odd[kDK / 16][2], m_even[kDK / 16][2];  // M_j of the odd and the even steps
   float r_odd[2][4], r_even[2][4];
   if (loads) scan_load_m(ln.map_of(1), warp, ln.g, ln.t, m_odd);
@@ -435,7 +356,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_direct(const __g
     if (loads && j + 1 <= last) scan_load_m(ln.map_of(j + 1), warp, ln.g, ln.t, m_next);  // a step ahead
     __syncthreads();  // S_j is in its buffer; every read of S_{j-1}'s buffer is done
     float acc[2][4] = {};
-    if (products) scan_products([&](int kp, int n) { return mj[kp][n]; }, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
+    if (products) scan_products(mj, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
     ln.finish_step(j, acc, r, sF + ((j + 1) & 1) * kScanFragFloats);
     if (j + 2 <= last) ln.load_r(j + 2, r);
   };
@@ -444,8 +365,6 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan_direct(const __g
     if (j + 1 <= last) step(j + 1, r_even, m_even, m_odd);
   }
 }
-#endif
-
 }  // namespace
 }  // namespace sm90
 }  // namespace qla

@@ -39,7 +39,6 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
-void set_test_scan_direct(int on);  // 1: the split-12 candidate scan (M's fragments straight to registers)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -377,9 +376,6 @@ static Problem make_problem(const Case& c) {
 }
 
 static double g_max_o = 0, g_max_h = 0;  // worst errors since the last reset (precision sweep)
-// QLA_TEST_SCAN_BITS: each case's second call runs the split-12 candidate scan (gdn_fwd_scan_direct),
-// whose bits must equal the first call's (gdn_fwd_scan: the same products in the same order).
-static bool g_scan_bits = false;
 
 static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool graph) {
   Problem P = make_problem(c);
@@ -402,19 +398,12 @@ static bool run_case(const Case& c, uint64_t seed, cudaStream_t stream, bool gra
     std::vector<uint8_t> o1(ob), h1(hb), o2(ob), h2(hb);
     CK(cudaMemcpy(o1.data(), D.o, ob, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h1.data(), D.hT, hb, cudaMemcpyDeviceToHost));
-#ifdef QLA_SM90_TEST_HOOKS
-    if (g_scan_bits) qla::sm90::set_test_scan_direct(1);
-#endif
     s = qla::sm90::forward(D.p);
-#ifdef QLA_SM90_TEST_HOOKS
-    if (g_scan_bits) qla::sm90::set_test_scan_direct(0);
-#endif
     CK(cudaStreamSynchronize(stream));
     CK(cudaMemcpy(o2.data(), D.o, ob, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h2.data(), D.hT, hb, cudaMemcpyDeviceToHost));
     if (!s.ok() || o1 != o2 || h1 != h2) {
-      std::printf("%-34s second identical call differs bitwise%s\n", c.name.c_str(),
-                  g_scan_bits ? " (there on gdn_fwd_scan_direct)" : "");
+      std::printf("%-34s second identical call differs bitwise\n", c.name.c_str());
       ok = false;
     }
   }
@@ -779,8 +768,6 @@ int main(int argc, char** argv) {
   if (std::getenv("QLA_TEST_FUSED_OVERLAP")) qla::sm90::set_test_fused_overlap(1);
   // Timing variants for --profile runs (RecParams::skip: results wrong).
   if (const char* e = std::getenv("QLA_TEST_FUSED_SKIP")) qla::sm90::set_test_fused_skip(std::atoi(e));
-  if (std::getenv("QLA_TEST_SCAN_DIRECT")) qla::sm90::set_test_scan_direct(1);
-  if (std::getenv("QLA_TEST_SCAN_BITS")) g_scan_bits = true;
 #endif
   if (std::getenv("QLA_TEST_NO_SPLIT")) g_split = qla::SplitMode::kOff;  // --profile runs of the unsplit chain
   if (const char* e = std::getenv("QLA_TEST_SPLIT_CHUNKS")) {  // --profile runs of a given piece length
