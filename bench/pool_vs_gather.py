@@ -1,10 +1,12 @@
 """A state pool read and written in place (state_pool with indices) against the gather / call /
-scatter an engine does without it: eager time per call (host included) and device time from
-CUDA-graph replay, on a chunked-prefill step of a few sequences. Usage: python3 bench/pool_vs_gather.py"""
+scatter an engine does without it: eager time per call (CUDA events around each call) and device
+time from CUDA-graph replay (bench/grid.py's timers), on a chunked-prefill step of a few
+sequences. Usage: python3 bench/pool_vs_gather.py"""
 import torch
 import torch.nn.functional as F
 
 import qla
+from grid import time_cuda, time_graph
 
 dev = "cuda"
 H, HV, D, lens, slots = 16, 32, 128, [1024, 512, 2048, 512], 64
@@ -31,41 +33,8 @@ def gather_scatter():
     pool.index_copy_(0, idx64, ht)
 
 
-def eager_ms(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
-
-
-def graph_ms(fn, n=20, reps=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / (n * reps)
-
-
 with torch.no_grad():
     print(torch.cuda.get_device_name(), f"H={H} HV={HV} lens={lens}, pool of {slots}")
     for name, fn in (("pool in place", in_place), ("gather, call, scatter", gather_scatter)):
-        print(f"{name:24s} eager {eager_ms(fn):.3f} ms   graph replay {graph_ms(fn):.3f} ms")
+        eager = time_cuda([fn]).median_ms
+        print(f"{name:24s} eager {eager:.3f} ms   graph replay {time_graph([fn], per_call_ms=eager).median_ms:.3f} ms")
