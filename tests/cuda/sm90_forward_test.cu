@@ -1023,6 +1023,17 @@ int main(int argc, char** argv) {
     row("8/24 1x2048", 8, 24, {2048});
     row("8/24 1x4096", 8, 24, {4096});
     row("8/32 1x2048", 8, 32, {2048});
+    // and the rows of 32-chunk or shorter sequences with more pairs, where the inverse kernel
+    // and the launches are a larger share
+    row("16/32 1x2048", 16, 32, {2048});
+    row("32/32 1x2048", 32, 32, {2048});
+    row("2/8 1024x8", 2, 8, std::vector<int64_t>(8, 1024));
+    row("2/8 2048x4", 2, 8, std::vector<int64_t>(4, 2048));
+    row("4/16 1024x8", 4, 16, std::vector<int64_t>(8, 1024));
+    row("16/16 1024x8", 16, 16, std::vector<int64_t>(8, 1024));
+    row("16/16 2048x4", 16, 16, std::vector<int64_t>(4, 2048));
+    row("32/32 1024x8", 32, 32, std::vector<int64_t>(8, 1024));
+    row("32/32 2048x4", 32, 32, std::vector<int64_t>(4, 2048));
     g_bench_lean = true;
     for (const Case& c : rows) {
       double t[4];
