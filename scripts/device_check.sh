@@ -101,12 +101,12 @@ if want warm-peers; then
       --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
   done
   sleep 2
-  echo "warm-up processes running: $(pgrep -fc 'qla_warm/' || true)"
+  echo "warm-up processes running: $(pgrep -fc 'run_grid.py.*/tmp/qla_warm/' || true)"
 fi
 if want warm-wait; then
   t0=$(date +%s)
-  while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_WAIT_S:-540} )); do sleep 5; done
-  echo "warm-up processes still running after $(( $(date +%s) - t0 )) s: $(pgrep -fc 'qla_warm/' || true)"
+  while pgrep -f 'run_grid.py.*/tmp/qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_WAIT_S:-540} )); do sleep 5; done
+  echo "warm-up processes still running after $(( $(date +%s) - t0 )) s: $(pgrep -fc 'run_grid.py.*/tmp/qla_warm/' || true)"
   tail -n 2 /tmp/qla_warm/*.log
 fi
 snap

@@ -25,13 +25,18 @@ fi
 HEADS=${HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32}
 if (( ${WARM_S:-260} > 0 )); then  # never beside the timing: the grid starts once these are done
   mkdir -p /tmp/qla_warm
+  pids=()
   for hh in ${HEADS//,/ }; do
     setsid nohup timeout 400 "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$hh" --backends fla,flashqla --no-graph \
       --warmup 0 --iters 1 --target-ms 1 --json /tmp/qla_warm/${hh/\//_}.json > /tmp/qla_warm/${hh/\//_}.log 2>&1 < /dev/null &
+    pids+=($!)
   done
+  # Waits on these processes by pid (a pattern would also match the caller's own command line
+  # when it names /tmp/qla_warm, and then wait the whole WARM_S).
+  alive() { local n=0 q; for q in "${pids[@]}"; do kill -0 "$q" 2>/dev/null && n=$((n + 1)); done; echo $n; }
   t0=$(date +%s); sleep 5
-  while pgrep -f 'qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_S:-260} )); do sleep 5; done
-  echo "warm: $(( $(date +%s) - t0 )) s, still running: $(pgrep -fc 'qla_warm/' || true)"
+  while (( $(alive) > 0 )) && (( $(date +%s) - t0 < ${WARM_S:-260} )); do sleep 5; done
+  echo "warm: $(( $(date +%s) - t0 )) s, still running: $(alive)"
 fi
 (( ${GRID_S:-200} > 0 )) || exit 0  # warm-up only
 timeout ${GRID_S:-200} "$uv/bin/python" bench/run_grid.py --kind fwd --heads "$HEADS" --backends qla,fla,flashqla \
