@@ -1047,8 +1047,20 @@ int main(int argc, char** argv) {
       t[2] = bench(c, stream);
       qla::sm90::set_test_fused(0);
       t[3] = bench(c, stream);
-      std::printf("bench-short %-16s fused %.3f ms  fused beside K1 %.3f ms  two-pass %.3f ms  dispatched %.3f ms\n",
-                  c.name.c_str(), t[0] * 1e3, t[1] * 1e3, t[2] * 1e3, t[3] * 1e3);
+      // and split (forced) into pieces of 4 and of 8 chunks, pass 1's tile by the plan
+      double ts[2];
+      qla::sm90::set_test_fused(64);
+      g_split = qla::SplitMode::kOn;
+      for (int i = 0; i < 2; ++i) {
+        g_split_chunks = 4 << i;
+        ts[i] = bench(c, stream);
+      }
+      g_split = qla::SplitMode::kAuto;
+      g_split_chunks = 0;
+      qla::sm90::set_test_fused(0);
+      std::printf("bench-short %-16s fused %.3f ms  fused beside K1 %.3f ms  two-pass %.3f ms  dispatched %.3f ms"
+                  "  pieces of 4 / 8 chunks %.3f / %.3f ms\n",
+                  c.name.c_str(), t[0] * 1e3, t[1] * 1e3, t[2] * 1e3, t[3] * 1e3, ts[0] * 1e3, ts[1] * 1e3);
     }
     g_bench_lean = false;
   }
