@@ -12,6 +12,8 @@ for the source.
     python3 bench/split_cost_model.py --fit bench/results/raw/fwd_split_bench_2026-12-01.txt
     python3 bench/split_cost_model.py --fit-vt <--split --bench output with bench-split-vt lines>
     python3 bench/split_cost_model.py --plan bench/results/raw/fwd_split_bench_2026-12-04b.txt
+    python3 bench/split_cost_model.py bench/results/raw/split_check_scan_2026-12-04c.txt \
+        --dispatch bench/results/raw/scan_fp16m_bench_h100_s25_2026-12-05.txt
 """
 from __future__ import annotations
 
@@ -224,6 +226,48 @@ def regret(co: dict, rows: list) -> float:
     return math.exp(sum(logs) / max(1, len(logs)))
 
 
+def _two_pass_times(path: str) -> dict:
+    """Each bench-split row's two-pass time (ms), by row name."""
+    out = {}
+    for line in open(path):
+        m = re.search(r"bench-split (.+?)\s+two-pass ([0-9.]+)", line)
+        if m:
+            out.setdefault(m.group(1).strip(), float(m.group(2)))
+    return out
+
+
+def dispatch_regret(co: dict, path: str, verbose: bool = False) -> float:
+    """Regret of the whole dispatch (path_rule and forward_choice) over the mixed-gate rows of
+    one --split --bench output: the measured time of what it runs (the two-pass forward below
+    kFusedMinPairs unless the sequences have kFusedMinChunks and a split beats kTwoPassShare of
+    the unsplit fused time; else the plan's split when it gains kSplitMinGain, or the unsplit
+    fused forward) over the best measured option (two-pass, unsplit, any forced piece count at
+    either pass-1 tile). plan_regret leaves out the rows the dispatch gives the two-pass forward."""
+    tp = _two_pass_times(path)
+    logs = []
+    for r in parse_vt(path):
+        if r["all_decay"]:
+            continue
+        c = _row_coefficients(co, r)
+        opts = [(vt[1], p, t) for vt, ts in r["times"].items() for p, t in ts.items() if p > 1]
+        unsplit, two_pass = r["times"][(64, 64)][1], tp[r["name"]]
+        cost = lambda o: cost_us(c, r["pairs"], r["longest"], o[1], vt=(64, o[0]), lean=True)
+        pick = min(opts, key=cost)
+        u = plan_cost(c, r["pairs"], r["longest"], 1)[0]
+        if r["pairs"] >= co["kFusedMinPairs"]:
+            t, path_ = (pick[2] if cost(pick) < co["kSplitMinGain"] * u else unsplit), "fused"
+        elif r["longest"] < co["kFusedMinChunks"]:
+            t, path_ = two_pass, "two-pass"
+        else:
+            t, path_ = (pick[2] if cost(pick) < co["kTwoPassShare"] * u else two_pass), "fused if split"
+        best = min([unsplit, two_pass] + [o[2] for o in opts])
+        if verbose:
+            print(f"  {r['name']:<22} {path_:<15} runs {t:.3f} ms, best {best:.3f} (model: P{pick[1]} at pass-1 "
+                  f"tile {pick[0]}, {cost(pick):.1f} us; unsplit {u:.1f})")
+        logs.append(math.log(t / best))
+    return math.exp(sum(logs) / max(1, len(logs)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="sm90_forward_test --split --bench output")
@@ -232,7 +276,30 @@ def main(argv=None) -> int:
                     help="with bench-split-vt lines: the V tile 128 step scale with the least regret")
     ap.add_argument("--plan", action="store_true",
                     help="results since split-8 (lean pass 0): the plan's regret, and the scales that fit best")
+    ap.add_argument("--dispatch", nargs="*", metavar="MORE",
+                    help="the whole dispatch's regret (two-pass forward included) on these results and MORE "
+                         "(other cards' or runs' outputs), and a small search of the fixed costs and the "
+                         "two-pass threshold")
     args = ap.parse_args(argv)
+    if args.dispatch is not None:
+        paths = [args.results] + args.dispatch
+        co = source_coefficients()
+        for path in paths:
+            print(f"{path}: dispatch regret {dispatch_regret(co, path, verbose=True):.4f}")
+        grid = dict(kScanStepUs=[1.5, 2.0, 2.5], kPassUs=[4, 6, 8, 10], kWaveSteps=[1, 2, 3],
+                    kWarmChunksTypical=[3, 4, 5], kFusedMinChunks=[32, 64])
+        fits = []
+        for vals in itertools.product(*grid.values()):
+            c = dict(co, **dict(zip(grid, vals)))
+            rs = [dispatch_regret(c, path) for path in paths]
+            # ties to the source's values (the least change)
+            moved = sum(v != co[n] for n, v in zip(grid, vals))
+            fits.append((math.exp(sum(map(math.log, rs)) / len(rs)), moved, vals, rs))
+        fits.sort(key=lambda f: (round(f[0], 4), f[1]))
+        g, _, vals, rs = fits[0]
+        print(f"least dispatch regret {g:.4f} (" + ", ".join(f"{r:.4f}" for r in rs) + ") with "
+              + ", ".join(f"{n} {v:g}" for n, v in zip(grid, vals)))
+        return 0
     rows = parse(args.results)
     if not rows:
         print(f"{args.results}: no bench-split lines")

@@ -116,3 +116,16 @@ def test_plan_after_the_lean_pass_and_the_pass1_tile():
     # 48 and 64 long pairs (a predicted gain under 7%: kSplitMinGain).
     for pairs, longest in ((128, 128), (256, 128), (128, 64), (256, 64), (64, 512), (48, 512), (64, 256)):
         assert scm.best_pieces(co, dict(pairs=pairs, longest=longest), plan=True) == 1, (pairs, longest)
+
+
+def test_the_whole_dispatch_on_the_calibration_run():
+    # The nineteenth session's H200 run (split-9 kernels): what path_rule and forward_choice
+    # run, two-pass forward included, is within 1% of the best measured option in geometric
+    # mean; its worst row is 2/8 1x2048, which the dispatch gives the two-pass forward (0.079 ms)
+    # where pieces of 4 chunks measured 0.074.
+    path = os.path.join(ROOT, "bench", "results", "raw", "split_check_scan_2026-12-04c.txt")
+    co = scm.source_coefficients()
+    assert scm.dispatch_regret(co, path) < 1.01
+    assert scm._two_pass_times(path)["2/8 1x2048"] == 0.079
+    # A threshold that sends every few-pair row to the two-pass forward costs more.
+    assert scm.dispatch_regret(dict(co, kFusedMinChunks=1e9), path) > scm.dispatch_regret(co, path) + 0.05
