@@ -112,8 +112,10 @@ struct GdnForwardParams {
   // g, beta: 3-D [B, T, HV] (stride = {b, t}, last dim contiguous).
   TensorRef q, k, v, g, beta;
 
-  // Optional initial state (data == nullptr: zeros). fp32 (fp64 allowed with fp64 inputs), 4-D [N, HV, K, V] or
-  // [N, HV, V, K]; stride = {n, hv, row} (the innermost dimension contiguous).
+  // Optional initial state (data == nullptr: zeros). fp32 (fp64 allowed with fp64 inputs; bf16 or
+  // fp16 with 16-bit or fp32 inputs, e.g. an engine's state cache: read once, the arithmetic stays
+  // fp32, the final state rounded to nearest where it is 16-bit; the cpu backend only for now),
+  // 4-D [N, HV, K, V] or [N, HV, V, K]; stride = {n, hv, row} (the innermost dimension contiguous).
   TensorRef initial_state;
 
   // Optional varlen boundaries (data == nullptr: none). int32 or int64, [num_seqs + 1],
@@ -127,7 +129,7 @@ struct GdnForwardParams {
   const int64_t* cu_seqlens_host = nullptr; // optional host copy (N + 1 entries)
 
   // Outputs. o: [B, T, HV, V], dtype of q. final_state (optional, data == nullptr: not
-  // written): fp32, same layout rules as initial_state.
+  // written): dtypes and layout rules as initial_state.
   MutTensorRef o;
   MutTensorRef final_state;
 

@@ -389,7 +389,7 @@ def _pool_no_tokens(v, N, pool, init_idx, final_idx, output_final_state, q, k, g
     for i, x in enumerate(writes or []):
         if x >= 0:
             pool[x] = start[i]
-    ht = start if output_final_state and final_idx is None else None
+    ht = start.to(_ops.state_dtype(q)) if output_final_state and final_idx is None else None
     return _empty_outputs(q, k, v, g, beta, N, False, None, state_v_first)[0], ht
 
 
@@ -404,8 +404,10 @@ def _pool_call(q, k, v, g, beta, scale, initial_state, output_final_state, state
     if initial_state is not None:
         raise ValueError("initial_state: expected None with state_pool (initial_state_indices reads the pool)")
     N = _check_inputs(q, k, v, g, beta, None, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    # An engine's state cache may be 16-bit: read once, the arithmetic in fp32, the written states
+    # rounded to nearest (the cpu backend for now; the CUDA one refuses such a pool by name).
     _check_tensor("state_pool", pool, 4, (torch.float32, torch.float64) if q.dtype == torch.float64 else
-                  (torch.float32,))
+                  (torch.float32, torch.bfloat16, torch.float16))
     want = _ops.state_shape(q, v, pool.shape[0], state_v_first)
     if tuple(pool.shape) != want:
         raise ValueError(f"state_pool: expected shape [S, {', '.join(str(x) for x in want[1:])}] (S slots), got "
@@ -513,7 +515,9 @@ def chunk_gated_delta_rule(
         state_pool: a pool of states, [S, HV, K, V] fp32 ([S, HV, V, K] with state_v_first),
             read and written in place through the two index tensors below (as an inference
             engine keeps one state slot per request). Inference only: no autograd, no
-            initial_state, no cp_context.
+            initial_state, no cp_context. On the CPU the pool may also be bf16 or fp16 (an
+            engine's 16-bit state cache: read exactly, the arithmetic in fp32, the written states
+            rounded to nearest); the CUDA forward refuses 16-bit pools for now.
         initial_state_indices: [N] int32/int64 on q's device: sequence n starts from
             state_pool[initial_state_indices[n]], from zeros where the index is negative.
         final_state_indices: [N] int32/int64 on q's device: sequence n's final state is written

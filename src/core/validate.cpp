@@ -109,11 +109,16 @@ Status check_cu_seqlens(const TensorRef& cu, int64_t num_seqs, const int64_t* ho
     if (!_s.ok()) return _s;     \
   } while (0)
 
-// States are fp32; with fp64 inputs (CPU) they may also be fp64.
-Status check_state(const char* name, const void* data, DType dtype, DType qdtype) {
+// States are fp32; with fp64 inputs (CPU) they may also be fp64. The forward's states may also
+// be bf16 or fp16 (an inference engine's state cache, read and rounded to nearest once per call;
+// the arithmetic stays fp32) with 16-bit or fp32 inputs; the backward's stay fp32.
+Status check_state(const char* name, const void* data, DType dtype, DType qdtype, bool allow_16bit = false) {
   if (data == nullptr) return Status::Ok();
   if (dtype == DType::kFloat32 || (dtype == DType::kFloat64 && qdtype == DType::kFloat64)) return Status::Ok();
-  return invalid(std::string(name) + ": expected dtype float32 (or float64 with float64 inputs), got " + dt(dtype));
+  const bool half = dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+  if (allow_16bit && half && qdtype != DType::kFloat64) return Status::Ok();
+  return invalid(std::string(name) + ": expected dtype float32 (or float64 with float64 inputs" +
+                 (allow_16bit ? "; bfloat16 or float16 with 16-bit or float32 inputs" : "") + "), got " + dt(dtype));
 }
 
 // A state pool's indices (GdnForwardParams::initial_state_indices / final_state_indices): int32
@@ -145,7 +150,7 @@ Status check_pool_indices(const char* name, const TensorRef& idx, const char* po
 }
 
 template <typename P>
-Status check_common(const P& p) {
+Status check_common(const P& p, bool states_16bit) {
   QLA_TRY(check_shape(p.shape));
   if (p.device != Device::kCpu && p.device != Device::kCuda)
     return invalid("device: expected kCpu or kCuda, got " + std::to_string(static_cast<int>(p.device)));
@@ -169,18 +174,18 @@ Status check_common(const P& p) {
   QLA_TRY(check_dtype("v", p.v.dtype, p.q.dtype));
   QLA_TRY(check_float("g", p.g.dtype));
   QLA_TRY(check_float("beta", p.beta.dtype));
-  QLA_TRY(check_state("initial_state", p.initial_state.data, p.initial_state.dtype, p.q.dtype));
+  QLA_TRY(check_state("initial_state", p.initial_state.data, p.initial_state.dtype, p.q.dtype, states_16bit));
   return check_cu_seqlens(p.cu_seqlens, p.num_seqs, p.cu_seqlens_host, p.shape, p.device, nullptr);
 }
 
 }  // namespace
 
 Status validate_forward(const GdnForwardParams& p) {
-  QLA_TRY(check_common(p));
+  QLA_TRY(check_common(p, true));
   const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
   QLA_TRY(check_ptr("o", p.o.data, has_tokens));
   QLA_TRY(check_dtype("o", p.o.dtype, p.q.dtype));
-  QLA_TRY(check_state("final_state", p.final_state.data, p.final_state.dtype, p.q.dtype));
+  QLA_TRY(check_state("final_state", p.final_state.data, p.final_state.dtype, p.q.dtype, true));
   const int sm = static_cast<int>(p.split);
   if (sm < 0 || sm > 2)
     return Status::Error(StatusCode::kInvalidArgument,
@@ -244,7 +249,7 @@ Status validate_forward(const GdnForwardParams& p) {
 }
 
 Status validate_backward(const GdnBackwardParams& p) {
-  QLA_TRY(check_common(p));
+  QLA_TRY(check_common(p, false));
   const bool has_tokens = p.shape.batch * p.shape.seqlen > 0;
   QLA_TRY(check_ptr("do", p.d_o.data, has_tokens));
   QLA_TRY(check_dtype("do", p.d_o.dtype, p.q.dtype));

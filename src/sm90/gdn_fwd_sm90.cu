@@ -621,9 +621,12 @@ Status check_supported(const GdnForwardParams& p) {
   for (const TensorRef* t : {&p.g, &p.beta})
     if (t->dtype != DType::kFloat32 && t->dtype != DType::kBFloat16 && t->dtype != DType::kFloat16)
       return ns(std::string("g and beta must be fp32, bf16 or fp16 (got ") + dt_name(t->dtype) + ")");
-  if ((p.initial_state.data && p.initial_state.dtype != DType::kFloat32) ||
-      (p.final_state.data && p.final_state.dtype != DType::kFloat32))
-    return ns("initial/final state must be fp32");
+  // 16-bit states (an engine's bf16 or fp16 state cache) run on the cpu backend; here not yet.
+  for (const auto& st : {std::make_pair("initial_state", p.initial_state.data ? p.initial_state.dtype : DType::kFloat32),
+                         std::make_pair("final_state", p.final_state.data ? p.final_state.dtype : DType::kFloat32)})
+    if (st.second != DType::kFloat32)
+      return ns(std::string(st.first) + ": expected dtype float32 on this backend (bf16 and fp16 states run on the "
+                "cpu backend only for now), got " + dt_name(st.second));
   // 16-byte vector loads of q/k/v rows, 4-byte pair stores of o.
   for (const TensorRef* t : {&p.q, &p.k, &p.v}) {
     if (!aligned(t->data, 16) || t->stride[0] % 8 || t->stride[1] % 8 || t->stride[2] % 8)

@@ -124,6 +124,50 @@ TEST(CpuForward, ThreadCountDoesNotChangeResult) {
 
 // A state pool read and written in place through slot indices (fp64): o and every written slot
 // against the reference run on the gathered states, the other slots untouched, and the errors.
+// An engine's bf16 / fp16 state cache: the call equals the one on an fp32 copy of the pool (every
+// 16-bit value is exact in fp32 and the arithmetic is the same), the written slots rounded to
+// nearest, bit for bit; the other slots keep their bits.
+TEST(CpuForward, SixteenBitStatePool) {
+  for (qla::DType sd : {qla::DType::kBFloat16, qla::DType::kFloat16}) {
+    Problem p = make_problem(78, 1, 150, 2, 4, 8, 8, {0, 40, 40, 150});
+    const int64_t S = 5, M = p.HV * p.K * p.V;
+    const int32_t reads[3] = {4, -1, 1}, writes[3] = {4, 0, 2};
+    std::vector<double> vals(S * M), exact(S * M);
+    std::mt19937 rng(7);
+    std::normal_distribution<double> normal;
+    for (auto& x : vals) x = 4 * normal(rng);
+    std::vector<uint8_t> pool16, pool32;
+    encode(vals, sd, pool16);  // rounded to 16 bits
+    for (size_t i = 0; i < exact.size(); ++i) exact[i] = decode(pool16, sd, i);
+    encode(exact, qla::DType::kFloat32, pool32);  // the same values in fp32
+    std::vector<double> o[2];
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<uint8_t>& pool = pass ? pool32 : pool16;
+      const qla::DType dt = pass ? qla::DType::kFloat32 : sd;
+      Buffers buf;
+      qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf, false);
+      f.initial_state = {pool.data(), dt, {M, p.K * p.V, p.V}};
+      f.final_state = {pool.data(), dt, {M, p.K * p.V, p.V}};
+      f.initial_state_indices = {reads, qla::DType::kInt32, {1, 0, 0}};
+      f.final_state_indices = {writes, qla::DType::kInt32, {1, 0, 0}};
+      f.initial_state_slots = f.final_state_slots = S;
+      const qla::Status s = qla::gdn_forward(f);
+      ASSERT_TRUE(s.ok()) << s.message();
+      o[pass].resize(p.B * p.T * p.HV * p.V);
+      for (size_t i = 0; i < o[pass].size(); ++i) o[pass][i] = decode(buf.o, qla::DType::kFloat32, i);
+    }
+    EXPECT_EQ(o[0], o[1]);
+    std::vector<double> after32(S * M);
+    for (size_t i = 0; i < after32.size(); ++i) after32[i] = decode(pool32, qla::DType::kFloat32, i);
+    std::vector<uint8_t> want16;
+    encode(after32, sd, want16);
+    EXPECT_EQ(pool16, want16);
+    int64_t changed = 0;  // (slot 4, 0 and 2 were written: the comparison sees the writes)
+    for (int64_t i = 0; i < S * M; ++i) changed += decode(pool16, sd, i) != exact[i];
+    EXPECT_GT(changed, M);
+  }
+}
+
 TEST(CpuForward, StatePoolInPlace) {
   Problem p = make_problem(77, 1, 150, 2, 4, 8, 8, {0, 40, 40, 150});
   const int64_t N = p.N(), S = 5, M = p.HV * p.K * p.V;

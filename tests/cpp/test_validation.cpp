@@ -39,8 +39,11 @@ TEST(Validation, ForwardRejectsBadArguments) {
   f.v.data = nullptr;
   expect_error(f, "v: expected a data pointer");
   f = good;
-  f.initial_state.dtype = qla::DType::kBFloat16;
+  f.initial_state.dtype = qla::DType::kInt32;
   expect_error(f, "initial_state: expected dtype float32");
+  f = good;
+  f.final_state.dtype = qla::DType::kFloat64;  // fp64 states need fp64 inputs
+  expect_error(f, "final_state: expected dtype float32 (or float64 with float64 inputs; bfloat16 or float16");
   f = good;
   f.shape.batch = 2;
   expect_error(f, "cu_seqlens: expected batch size 1");
@@ -99,6 +102,12 @@ TEST(Validation, BackwardRejectsMissingOutputs) {
   qla::Status s = qla::gdn_backward(b);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("dq"), std::string::npos) << s.message();
+  // The backward's states stay fp32 (the forward's may be 16-bit: an engine's state cache).
+  b.initial_state = {f.q.data, qla::DType::kBFloat16, {p.HV * p.K * p.V, p.K * p.V, p.V}};
+  s = qla::gdn_backward(b);
+  EXPECT_NE(s.message().find("initial_state: expected dtype float32 (or float64 with float64 inputs), got"),
+            std::string::npos)
+      << s.message();
 }
 
 TEST(Validation, EmptyProblemIsFine) {

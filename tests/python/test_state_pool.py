@@ -119,6 +119,47 @@ def test_pool_errors_name_the_argument():
     assert torch.equal(pool, torch.zeros_like(pool))  # nothing written by the refused calls
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_16bit_pool_reads_exactly_and_writes_rounded_to_nearest(pool_dtype, in_dtype):
+    # An engine's 16-bit state cache: the call equals the one on an fp32 copy of the pool (every
+    # 16-bit value is exact in fp32, the arithmetic is the same) with the written slots rounded to
+    # nearest, bit for bit; the other slots keep their bits.
+    x, cu = _varlen([37, 0, 70, 5], 2, 4, 16, 8, in_dtype, "cpu", seed=3)
+    pool = (torch.randn(6, 4, 16, 8) * 4).to(pool_dtype)
+    pool32 = pool.float()
+    reads, writes = [3, 5, -1, 1], [3, -1, 4, 0]
+    want_o, want32 = _pool_call(x, cu, pool32, reads, writes)[0], pool32
+    before = pool.clone()
+    o, ht = _pool_call(x, cu, pool, reads, writes)
+    assert ht is None and torch.equal(o, want_o)
+    assert torch.equal(pool, want32.to(pool_dtype))
+    assert torch.equal(pool[[1, 2, 5]], before[[1, 2, 5]])
+    assert not torch.equal(pool[3], before[3])  # (written: the test sees the write)
+    # read only, the final states returned in fp32 as without a pool
+    pool = before.clone()
+    o2, ht2 = _pool_call(x, cu, pool, reads, None, output_final_state=True)
+    _, want_ht = _pool_call(x, cu, before.float(), reads, None, output_final_state=True)
+    assert torch.equal(pool, before) and ht2.dtype == torch.float32 and torch.equal(ht2, want_ht)
+    # no tokens: each start copied into its slot (exact: 16-bit to 16-bit)
+    xe, cue = _varlen([0, 0], 2, 4, 16, 8, in_dtype, "cpu")
+    pool = before.clone()
+    _pool_call(xe, cue, pool, [2, -1], [1, 0])
+    assert torch.equal(pool[1], before[2]) and torch.equal(pool[0], torch.zeros_like(pool[0]))
+
+
+def test_16bit_states_are_for_the_forward_of_16bit_or_fp32_inputs():
+    x, cu = _varlen([10, 12], 1, 2, 8, 8, torch.float64, "cpu")
+    pool = torch.zeros(3, 2, 8, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"state_pool: expected dtype in \(float32, float64\), got bfloat16"):
+        _pool_call(x, cu, pool, [0, 1], None)
+    # without a pool, initial_state stays fp32 (the autograd path's states)
+    y = make_inputs(2, 10, 1, 2, 8, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="initial_state: expected dtype float32"):
+        qla.chunk_gated_delta_rule(y["q"], y["k"], y["v"], y["g"], y["beta"],
+                                   initial_state=y["initial_state"].to(torch.bfloat16))
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA (sm90): the same properties on the fused, split and two-pass forwards.
 # ----------------------------------------------------------------------------------------------
@@ -221,3 +262,16 @@ def test_overlapping_states_of_another_view_are_refused():
         qla._ops.forward_impl(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, pool[1:3], cu, False, False, False,
                               qla._ops.SPLIT_AUTO, 0, False, None, pool[0:3],
                               None, torch.tensor([0, 1]))
+
+
+@cuda
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_cuda_16bit_pool_is_refused_by_name(pool_dtype):
+    x, cu = _varlen([300, 130], 2, 4, 128, 128, torch.bfloat16, "cuda")
+    pool = torch.randn(4, 4, 128, 128, device="cuda").to(pool_dtype)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="initial_state: expected dtype float32 on this backend"):
+        _pool_call(x, cu, pool, [0, 1], [2, 3])
+    with pytest.raises(ValueError, match="final_state: expected dtype float32 on this backend"):
+        _pool_call(x, cu, pool, None, [2, 3])
+    assert torch.equal(pool, before)
