@@ -65,11 +65,11 @@ def _round_any(x, how):
     return _round(x, how)
 
 
-def _chunk_parts(q, k, v, g, beta, c0, c1, scale):
-    """One chunk's inputs [HV, n, .], gamma, Gamma, Tu and A in fp32 (unrounded)."""
+def _chunk_parts(q, k, v, g, beta, c0, c1, scale, dtype=torch.float32):
+    """One chunk's inputs [HV, n, .], gamma, Gamma, Tu and A in fp32 (unrounded), or in dtype."""
     n = c1 - c0
-    Qc, Kc, Vc = (x[c0:c1].transpose(0, 1).float() for x in (q, k, v))  # [HV, n, .]
-    gc, bc = g[c0:c1].t().float(), beta[c0:c1].t().float()              # [HV, n]
+    Qc, Kc, Vc = (x[c0:c1].transpose(0, 1).to(dtype) for x in (q, k, v))  # [HV, n, .]
+    gc, bc = g[c0:c1].t().to(dtype), beta[c0:c1].t().to(dtype)              # [HV, n]
     gam = gc.cumsum(-1)
     Gam = gam[:, -1:]
     diff = gam[:, :, None] - gam[:, None, :]
@@ -78,8 +78,8 @@ def _chunk_parts(q, k, v, g, beta, c0, c1, scale):
     gate = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()
     KK = Kc @ Kc.transpose(1, 2)  # bf16 inputs, fp32 accumulation
     L = bc[:, :, None] * gate * KK
-    Tm = torch.linalg.solve_triangular(torch.eye(n) + L, torch.eye(n).expand(Qc.shape[0], n, n), upper=False,
-                                       unitriangular=True)
+    eye = torch.eye(n, dtype=dtype)
+    Tm = torch.linalg.solve_triangular(eye + L, eye.expand(Qc.shape[0], n, n), upper=False, unitriangular=True)
     Tu = Tm * bc[:, None, :]
     A = scale * torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp() * (Qc @ Kc.transpose(1, 2))
     return Qc, Kc, Vc, gam, Gam, Tu, A

@@ -33,28 +33,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "python"))
 
-from precision_model import _exp2i, _kernel_chunk, make_case  # noqa: E402
+from precision_model import _chunk_parts, _exp2i, _kernel_chunk, make_case  # noqa: E402
 
 C = 64
-
-
-def _parts64(q, k, g, beta, c0, c1, scale):
-    """One chunk in fp64: Q, K [HV, n, d], gamma [HV, n], Gamma [HV, 1], Tu, A [HV, n, n]."""
-    n = c1 - c0
-    Qc, Kc = (x[c0:c1].transpose(0, 1).double() for x in (q, k))
-    gc, bc = g[c0:c1].t().double(), beta[c0:c1].t().double()
-    gam = gc.cumsum(-1)
-    Gam = gam[:, -1:]
-    diff = gam[:, :, None] - gam[:, None, :]
-    lower = torch.tril(torch.ones(n, n, dtype=torch.bool), -1)
-    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    gate = torch.where(lower, diff, torch.full_like(diff, -torch.inf)).exp()
-    L = bc[:, :, None] * gate * (Kc @ Kc.transpose(1, 2))
-    eye = torch.eye(n, dtype=torch.float64)
-    Tm = torch.linalg.solve_triangular(eye + L, eye.expand(Qc.shape[0], n, n), upper=False, unitriangular=True)
-    Tu = Tm * bc[:, None, :]
-    A = scale * torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp() * (Qc @ Kc.transpose(1, 2))
-    return Qc, Kc, gam, Gam, Tu, A
 
 
 def reverse_exact(q, k, g, beta, do, dht, scale):
@@ -65,7 +46,7 @@ def reverse_exact(q, k, g, beta, do, dht, scale):
     dU_all = torch.empty(T, *do.shape[1:], dtype=torch.float64)
     for c0 in reversed(range(0, T, C)):
         c1 = min(T, c0 + C)
-        Qc, Kc, gam, Gam, Tu, A = _parts64(q, k, g, beta, c0, c1, scale)
+        Qc, Kc, _, gam, Gam, Tu, A = _chunk_parts(q, k, k, g, beta, c0, c1, scale, torch.float64)  # (no V in the chain)
         dO = do[c0:c1].transpose(0, 1).double()  # [HV, n, dv]
         dU = A.transpose(1, 2) @ dO + (Gam - gam).exp()[:, :, None] * (Kc @ dS)
         W = Tu @ (gam.exp()[:, :, None] * Kc)
