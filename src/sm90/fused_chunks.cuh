@@ -196,10 +196,10 @@ __device__ __forceinline__ int tu_exp_of(const uint8_t* stb) {
 }
 
 // The aux warpgroup's first step on a stage: K' = diag(2^ek) K and Q' = diag(2^eq) Q in fp16 in
-// place, and the math warpgroups' per-token factors, with O in per-token units 2^(eq + et). Ends
-// on the aux's barrier.
+// place, rows past the sequence end zeroed (K, Q and the V slot's boxes). The caller fences and
+// meets the aux's barrier before any wgmma reads them.
 template <class T, class Cfg>
-__device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
+__device__ __forceinline__ void aux_convert_qk(uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
   // Q' = diag(2^eq) Q, each row's norm brought near 1, so that fp16 holds them, and A, W and
@@ -208,7 +208,6 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
   // it & 7 < 4, Q rows after.
   const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
   const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
-  const int et = tu_exp_of<Cfg>(stb);
   const int r0 = wt >> 3;
   const uint32_t base = smem_u32(stb + Cfg::kQK) + 16u * wt;
   auto run_addr = [&](int it) { return base + 16u * 128u * it; };
@@ -275,9 +274,15 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
     CUTE_UNROLL
     for (int h = 0; h < Cfg::kMathWGs; ++h) zero_box_rows(smem_u32(stb + Cfg::kV + h * kC * 64 * 2), len, wt, 128);
   }
-  QLA_PHASE(2);
-  // The math warpgroups' per-token factors. Y' = S K'^T holds 2^ek Y: Z's gate is
-  // e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
+}
+
+// The forward's per-token factors for the math warpgroups (after aux_convert_qk).
+template <class Cfg>
+__device__ __forceinline__ void aux_forward_factors(const RecParams& p, uint8_t* stb, int wt) {
+  const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
+  const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
+  const int et = tu_exp_of<Cfg>(stb);
+  // Y' = S K'^T holds 2^ek Y: Z's gate is e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
   // 2^-et) is S's update. O holds 2^(eq + et) O / scale: W' = A' Tu' with A' = diag(2^eq) A
   // diag(2^ek) / scale (from Q', K'), so P (2^eq P) takes e^gamma 2^et, and O's way back
   // carries scale. scale stays out of the fp16 scores A', which it would push out of fp16's
@@ -291,8 +296,6 @@ __device__ __forceinline__ void aux_convert_qk(const RecParams& p, uint8_t* stb,
     reinterpret_cast<float*>(stb + Cfg::kEgP)[wt] = eg * pow2i(et);
     g[(kInvEgk - kInvGam) / 4 + wt] *= pow2i(-et);
   }
-  fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
-  wg_bar(kBarAux);  // every thread's conversions done, before the wgmma reads them
 }
 
 // The aux's Q K^T (SS wgmma) and W = A Tu (RS wgmma, A from registers), 64 x 64 each.
@@ -301,17 +304,15 @@ using AuxMma = decltype(make_tiled_mma(
 using AuxAcc = decltype(partition_fragment_C(AuxMma{}, Shape<_64, _64>{}));
 
 // A_ij = e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (scale is O's factor), from
-// Q' K'^T (the K|Q operand sQK, fp16), as W's fp16 register operand; then acc = W = A Tu (sTu:
-// the Tu image, read as (j, j'), MN-major).
-__device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const cutlass::half_t* sTu, const float* sGam,
-                                             int len, int wt, AuxAcc& acc QLA_PHASE_ARGS) {
+// Q' K'^T (the K|Q operand sQK, fp16) into acc, then as fp16 into rA16 (a register A operand of
+// K = 64, or a 64 x 64 accumulator's elements for stmatrix_rows).
+using AuxA16 = decltype(make_tensor<cutlass::half_t>(Shape<Shape<_2, _2, _2>, _1, _4>{}));
+__device__ __forceinline__ void aux_gated_scores(const cutlass::half_t* sQK, const float* sGam, int len, int wt, AuxAcc& acc,
+                                                 AuxA16& rA16 QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   auto mma = AuxMma{};
-  auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
   auto thr = mma.get_thread_slice(wt);
-  auto thrW = mmaW.get_thread_slice(wt);
-  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j), also W's (i, j')
-  Tensor rA16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // A as W's register operand
+  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
   Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
   Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
   Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
@@ -332,6 +333,17 @@ __device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const c
     rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
     rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
   }
+}
+
+// The gated scores A (aux_gated_scores), then acc = W = A Tu (sTu: the Tu image, read as
+// (j, j'), MN-major).
+__device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const cutlass::half_t* sTu, const float* sGam,
+                                             int len, int wt, AuxAcc& acc QLA_PHASE_ARGS) {
+  using H = cutlass::half_t;
+  AuxA16 rA16;
+  aux_gated_scores(sQK, sGam, len, wt, acc, rA16 QLA_PHASE_PASS);
+  auto mmaW = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu (j, j')
+  auto thrW = mmaW.get_thread_slice(wt);
   Tensor rTu = thrW.partition_fragment_B(make_tensor(make_smem_ptr(sTu), typename Lay<H>::TokTok_MN{}));
   warpgroup_fence_operand(rA16);
   warpgroup_fence_operand(acc);
@@ -418,6 +430,31 @@ __device__ __forceinline__ void store_leaving_state(const RecParams& p, int end,
   }
 }
 
+// The largest |element| of each of a thread's two accumulator rows (row halves), over the whole
+// row of a 64 x N fragment (the quad's four threads then share it: quad_row_units).
+template <class Acc>
+__device__ __forceinline__ void row_abs_max(const Acc& acc, float (&m)[2]) {
+  float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)], fabsf(acc(i)));
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) m[h] = fmaxf(fmaxf(m4[h][0], m4[h][1]), fmaxf(m4[h][2], m4[h][3]));
+}
+
+// A row's units 2^esc from mm, this thread's part of the row's measure in the current units: the
+// quad's maximum kept in [2^lo, 2^(lo + 4)), else put back at 2^(lo + 2) (a zero row keeps its
+// units). Leaves f = new / old units and sc = the new units.
+__device__ __forceinline__ void quad_row_units(float mm, int lo, int& esc, float& f, float& sc) {
+  mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
+  mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
+  const int ex = float_exponent(mm);
+  const int de = mm > 0.f && (ex < lo || ex >= lo + 4) ? max(-126, min(127, lo + 2 - ex)) : 0;
+  const int ne = max(-120, min(120, esc + de));
+  f = pow2i(ne - esc);
+  esc = ne;
+  sc = pow2i(ne);
+}
+
 // Row v's units for a chunk (see the top of this file), from max |S| (current units) and max |V|
 // (raw, this thread's V^T pairs vp) over the four threads of a quad (they share rows); kn bounds
 // the chunk's key norms. max(|S| kn 2^wsh, |V|) is kept in [2^(6 + wsh), 2^(10 + wsh)): S's
@@ -429,36 +466,23 @@ template <class T, class AccS, class S16>
 __device__ __forceinline__ void chunk_units(const AccS& accS, S16& rS16, const uint32_t (&vp)[16], float kn, int (&esc)[2],
                                             float (&f)[2], float (&sc)[2], int wsh) {
   using H = cutlass::half_t;
-  float m4[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // four chains per row: shorter latency
-  CUTE_UNROLL
-  for (int i = 0; i < size(accS); ++i) m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)] = fmaxf(m4[acc_half(i)][(i & 1) | ((i >> 1) & 2)], fabsf(accS(i)));
+  float m[2];
+  row_abs_max(accS, m);
   float mv[2] = {0.f, 0.f};
   CUTE_UNROLL
   for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1, row half k & 1
     const float2 a = unpack2<T>(vp[k]);
     mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x), fabsf(a.y)));
   }
-  const float m[2] = {fmaxf(fmaxf(m4[0][0], m4[0][1]), fmaxf(m4[0][2], m4[0][3])),
-                      fmaxf(fmaxf(m4[1][0], m4[1][1]), fmaxf(m4[1][2], m4[1][3]))};
   // The fp16 copy of S in the current units, issued before the units are checked: they
   // change only when a row's max leaves [2^6, 2^10) (then it is put back in [2^8, 2^9)), so
   // in the common case nothing waits for the quad reduction below.
   CUTE_UNROLL
   for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));
+  // The window keeps fp16 far from overflow: |Y| <= |k| |S row| <= sqrt(2) kn sqrt(128) |S|max
+  // < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
   CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    float mm = fmaxf(m[h] * (kn * pow2i(wsh)), mv[h] * pow2i(esc[h]));
-    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
-    mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 2));
-    // A zero row keeps its units. The window keeps fp16 far from overflow: |Y| <= |k| |S row|
-    // <= sqrt(2) kn sqrt(128) |S|max < sqrt(2) sqrt(128) 2^10, |V| < 2^10.
-    const int ex = float_exponent(mm);
-    const int de = mm > 0.f && (ex < 6 + wsh || ex >= 10 + wsh) ? max(-126, min(127, 8 + wsh - ex)) : 0;
-    const int ne = max(-120, min(120, esc[h] + de));
-    f[h] = pow2i(ne - esc[h]);
-    esc[h] = ne;
-    sc[h] = pow2i(ne);
-  }
+  for (int h = 0; h < 2; ++h) quad_row_units(fmaxf(m[h] * (kn * pow2i(wsh)), mv[h] * pow2i(esc[h])), 6 + wsh, esc[h], f[h], sc[h]);
   if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // new units in this warp: redo the copy
     CUTE_UNROLL
     for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[acc_half(i)]);
@@ -648,7 +672,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
-      aux_convert_qk<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
+      aux_convert_qk<T, Cfg>(stb, len, wt QLA_PHASE_PASS);
+      QLA_PHASE(2);
+      aux_forward_factors<Cfg>(p, stb, wt);
+      fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)
+      wg_bar(kBarAux);     // every thread's conversions done, before the wgmma reads them
       if constexpr (!kLean) {  // (the lean step's [U] = Z Tu^T alone needs no scores)
         QLA_PHASE(3);
         aux_scores_w(sQK, sTW, sGam, len, wt, acc QLA_PHASE_PASS);

@@ -48,6 +48,9 @@
 #include "split.cuh"
 #include "split_plan.cuh"
 #include "host_util.cuh"
+#ifdef QLA_SM90_TEST_HOOKS
+#include "fused_reverse.cuh"  // the fused backward's reverse chain (build step 2), test builds until step 3
+#endif
 
 namespace qla {
 namespace sm90 {
@@ -573,6 +576,47 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   return Status::Ok();
 }
+
+// Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
+// section 10, build step 2): the chunk table and the inverse kernel into p.workspace (the fused
+// forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64): d_o
+// and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout.
+template <class T>
+Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0) {
+  if (num_seqs(p) == 0) return Status::Ok();
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
+  SplitChoice sc;
+  sc.fused = true;
+  const WsLayout wl = ws_layout(p, sc);
+  Status s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  int* table = reinterpret_cast<int*>(ws + wl.table);
+  void* regions = ws + wl.regions;
+  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
+  if (!s.ok()) return s;
+  CUtensorMap tmq, tmk, tmdo;
+  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmdo, d_o, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
+  const SeqDesc sd = seq_desc(p);
+  RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
+  rp.tmv = tmdo;
+  rp.scale = static_cast<float>(p.scale);
+  rp.o = nullptr;
+  rp.h0 = static_cast<const float*>(dht.data);
+  rp.hT = static_cast<float*>(dh0.data);
+  for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
+  rp.h0_pool = rp.hT_pool = PoolIndex{};
+  rp.tiles_log2 = 1;  // two V tiles of 64 per value head
+  rp.pass = 0;
+  gdn_bwd_fused_reverse<T><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads), 2),
+                              RevCfg::kThreads, RevCfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
+  return Status::Ok();
+}
 #endif
 
 }  // namespace
@@ -605,6 +649,13 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   if (!s.ok()) return s;
   if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions);
   return launch_inverse_alone<cutlass::half_t>(p, regions);
+}
+Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
+                              const MutTensorRef& dh0) {
+  Status s = check_supported(p);
+  if (!s.ok()) return s;
+  if (p.q.dtype == DType::kBFloat16) return launch_reverse_alone<cutlass::bfloat16_t>(p, d_o, dht, dh0);
+  return launch_reverse_alone<cutlass::half_t>(p, d_o, dht, dh0);
 }
 #endif
 

@@ -151,7 +151,7 @@ __device__ void fill_nan_outputs(const RecParams& p) {
   const int64_t first = flat_block() * blockDim.x + threadIdx.x;
   const int64_t HV = p.HV, no = p.sd.T * HV * kDV;  // varlen: B == 1
   T* o = static_cast<T*>(p.o);
-  for (int64_t i = first; i < no; i += nthreads) {
+  for (int64_t i = first; o && i < no; i += nthreads) {  // (no o: the backward's reverse chain)
     const int64_t v = i % kDV, h = (i / kDV) % HV, t = i / (kDV * HV);
     o[t * p.so[1] + h * p.so[2] + v] = T(__int_as_float(0x7fc00000));
   }

@@ -43,6 +43,9 @@ void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: p
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
+// The fused backward's reverse chain alone (build step 2): d_o and d(final state) in, d(initial state) out.
+qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
+                                   const qla::MutTensorRef& dh0);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
 #endif
@@ -746,12 +749,148 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
   CK(cudaFree(dreg));
   free_dev(D);
 }
+
+// The fused backward's reverse chain (src/sm90/fused_reverse.cuh, build step 2 of
+// docs/backward.md section 10) against an fp64 token-by-token reverse on the host. The forward's
+// problem serves: v plays d_o (the chain needs no v), h0 plays d(final state), and the final
+// state's buffer (poisoned) receives d(initial state). Per token, last to first:
+// dS += scale q dO^T, then dS = e^g (dS - beta k (k^T dS)); dh0 is what is left.
+static void reference_reverse(const Problem& P, std::vector<double>& dh0) {
+  const Case& c = P.c;
+  const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
+  dh0.assign(P.N * c.HV * K * V, 0.0);
+  std::vector<double> S(K * V), kd(V);
+  for (int64_t n = 0; n < P.N; ++n)
+    for (int64_t hv = 0; hv < c.HV; ++hv) {
+      const int64_t hq = hv / (c.HV / c.H);
+      for (int i = 0; i < K * V; ++i) S[i] = c.h0 ? P.h0[(n * c.HV + hv) * K * V + i] : 0.0;
+      for (int64_t t = P.cu[n + 1] - 1; t >= P.cu[n]; --t) {
+        const float* q = &P.q[(t * c.H + hq) * K];
+        const float* k = &P.k[(t * c.H + hq) * K];
+        const float* dO = &P.v[(t * c.HV + hv) * V];
+        const double a = std::exp(double(P.g[t * c.HV + hv])), b = P.beta[t * c.HV + hv];
+        for (int d = 0; d < K; ++d)
+          for (int j = 0; j < V; ++j) S[d * V + j] += scale * q[d] * dO[j];
+        std::fill(kd.begin(), kd.end(), 0.0);
+        for (int d = 0; d < K; ++d)
+          for (int j = 0; j < V; ++j) kd[j] += k[d] * S[d * V + j];
+        for (int d = 0; d < K; ++d)
+          for (int j = 0; j < V; ++j) S[d * V + j] = a * (S[d * V + j] - b * k[d] * kd[j]);
+      }
+      std::copy(S.begin(), S.end(), dh0.begin() + (n * c.HV + hv) * K * V);
+    }
+}
+
+static qla::Status run_reverse(const Dev& D) {
+  qla::MutTensorRef dh0;
+  dh0.data = D.p.final_state.data;
+  dh0.dtype = DType::kFloat32;
+  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0);
+}
+
+static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
+  qla::Status s = run_reverse(D);
+  if (!s.ok()) { std::printf("%-34s reverse chain: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  CK(cudaStreamSynchronize(stream));
+  std::vector<double> ref;
+  reference_reverse(P, ref);
+  const int64_t pitch = state_row_pitch(), mat = 128 * pitch;
+  std::vector<float> h(P.N * c.HV * mat), h2(h.size());
+  CK(cudaMemcpy(h.data(), D.hT, h.size() * 4, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0, numT = 0;
+  bool nan = false;
+  for (int64_t m = 0; m < P.N * c.HV; ++m)
+    for (int a = 0; a < K; ++a)
+      for (int b = 0; b < V; ++b) {
+        const double x = c.layout == StateLayout::kKV ? h[m * mat + a * pitch + b] : h[m * mat + b * pitch + a];
+        const double r = ref[m * K * V + a * V + b], rt = ref[m * K * V + b * V + a];
+        if (!std::isfinite(x)) nan = true;
+        num += (x - r) * (x - r);
+        den += r * r;
+        numT += (x - rt) * (x - rt);
+      }
+  const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  bool ok = !nan && e <= 4e-3;  // every gradient's bound
+  // Bitwise deterministic: a second identical call.
+  s = run_reverse(D);
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaMemcpy(h2.data(), D.hT, h2.size() * 4, cudaMemcpyDeviceToHost));
+  const bool same = s.ok() && std::memcmp(h.data(), h2.data(), h.size() * 4) == 0;
+  ok = ok && same;
+  std::printf("reverse %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e%s%s  %s", c.name.c_str(), (long long)P.N,
+              (long long)P.c.T, (long long)c.H, (long long)c.HV, e, nan ? " NaN" : "", same ? "" : " (second call differs)",
+              ok ? "ok" : "FAIL");
+  if (!ok) std::printf("  (vs transposed ref %.3e)", den > 0 ? std::sqrt(numT / den) : std::sqrt(numT));
+  std::printf("\n");
+  free_dev(D);
+  return ok;
+}
+
+static std::vector<Case> reverse_cases() {
+  std::vector<Case> r;
+  auto add = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) -> Case& {
+    Case c; c.name = name; c.B = B; c.T = T; c.H = H; c.HV = HV; r.push_back(c); return r.back();
+  };
+  // Small cases first: which part of a chunk step is wrong, if one is (dO alone: D A'', D Qg',
+  // W'; d(final state) alone: Kd', W').
+  add("one chunk, dO only", 1, 64, 1, 2).h0 = false;
+  add("one chunk, dht only, g=0", 1, 64, 1, 2).vmag = 0.f;
+  r.back().gmode = 2;
+  add("two chunks, dht only", 1, 128, 1, 2).vmag = 0.f;
+  add("bench gates GVA4 T4096", 1, 4096, 2, 8).gmode = 3;
+  add("strong decay B2 T1000 kVK", 2, 1000, 2, 4).gmode = 1;
+  r.back().layout = StateLayout::kVK;
+  add("g=0 T2048", 1, 2048, 1, 2).gmode = 2;
+  { Case& c = add("varlen ragged, zero-length", 1, 0, 2, 4); c.lens = {0, 1, 63, 64, 65, 1000, 0, 130}; }
+  { Case& c = add("varlen no dht kVK cu64", 1, 0, 1, 4); c.lens = {300, 0, 129}; c.h0 = false;
+    c.layout = StateLayout::kVK; c.cu64 = true; }
+  { Case& c = add("fp16, bf16 g/beta, strided, scale", 1, 333, 2, 4); c.qdt = DType::kFloat16;
+    c.gdt = DType::kBFloat16; c.tpad = 16; c.scale = 0.3f; }
+  add("large dO (1e5), no dht", 1, 1024, 1, 2).vmag = 1e5f;
+  r.back().h0 = false;
+  { Case& c = add("tiny dO (1e-6), large dht (1e6)", 1, 1024, 1, 2); c.vmag = 1e-6f; c.hmag = 1e6f; }
+  { Case& c = add("q, k norms spread 2^+-8", 1, 777, 2, 4); c.spread = true; }
+  { Case& c = add("large q, k (2^10)", 1, 640, 1, 2); c.qnorm = c.knorm = 1024.f; }
+  { Case& c = add("small q, k (2^-12)", 1, 640, 1, 2); c.qnorm = c.knorm = 1.f / 4096.f; }
+  add("tiny beta (1e-7)", 1, 500, 1, 2).bmag = 1e-7f;
+  add("scale 1e4", 1, 500, 1, 2).scale = 1e4f;
+  add("scale 1e-4", 1, 500, 1, 2).scale = 1e-4f;
+  return r;
+}
+
+// The reverse chain's time (chunk table + inverse kernel + the chain), bench inputs.
+static void bench_reverse(const Case& c, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  Dev D;
+  setup(P, D, stream);
+  bench_inputs(P, D);
+  qla::Status s = run_reverse(D);
+  if (!s.ok()) { std::printf("bench reverse %s: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return; }
+  CK(cudaStreamSynchronize(stream));
+  const double t = median_ms(stream, 20, [&] { (void)run_reverse(D); });
+  const int64_t chunks = (P.c.T + 63) / 64;
+  void* regions = nullptr;  // the inverse kernel alone, into its own buffer
+  CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
+  const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
+  CK(cudaFree(regions));
+  std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: %8.1f us (table + inverse ~%6.1f; chain %.2f us per chunk)\n",
+              c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, t * 1e3, tinv * 1e3,
+              (t - tinv) * 1e3 / double(chunks));
+  free_dev(D);
+}
 #endif
 
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
-  bool do_split = false, do_fused_skip = false, do_short = false;
+  bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
+  int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
@@ -762,6 +901,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--qk-normalized") g_qk_hint = true;
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
+    if (std::string(argv[i]) == "--reverse") do_reverse = true;
+    if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
+    if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
   }
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
@@ -797,6 +939,40 @@ int main(int argc, char** argv) {
     std::printf("profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
     free_dev(D);
     return s.ok() ? 0 : 1;
+  }
+
+#ifdef QLA_SM90_TEST_HOOKS
+  if (reverse_profile_row >= 0) {
+    const Case c = bench_rows().at(reverse_profile_row);
+    Problem P = make_problem(c);
+    Dev D;
+    setup(P, D, stream);
+    bench_inputs(P, D);
+    qla::Status s = run_reverse(D);
+    CK(cudaStreamSynchronize(stream));
+#ifdef QLA_FUSED_PROFILE
+    qla::sm90::test_print_phases();
+#endif
+    std::printf("reverse profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
+    free_dev(D);
+    return s.ok() ? 0 : 1;
+  }
+#endif
+  if (do_reverse || do_reverse_bench) {  // the fused backward's reverse chain alone (test builds)
+#ifdef QLA_SM90_TEST_HOOKS
+    const std::vector<Case> rc = do_reverse ? reverse_cases() : std::vector<Case>{};
+    for (size_t i = 0; i < rc.size(); ++i) ok = check_reverse(rc[i], 7771 + i, stream) && ok;
+    if (do_reverse_bench) {
+      const std::vector<Case> rows = bench_rows();
+      for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
+    }
+#else
+    std::printf("--reverse needs a build with -DQLA_SM90_TEST_HOOKS\n");
+    ok = false;
+#endif
+    CK(cudaStreamDestroy(stream));
+    std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
+    return ok ? 0 : 1;
   }
 
   // check_supported must refuse K != 128.

@@ -1,0 +1,344 @@
+// The fused backward's reverse chain (docs/backward.md section 10, build step 2): the gradient of
+// the state carried from a sequence's last chunk to its first, d(final state) in, d(initial
+// state) out, on the fused forward's roles, loaders and stage layouts (fused_chunks.cuh) and the
+// inverse kernel's regions (inverse.cuh: the Tu' image, the gates, the per-token exponents).
+//
+// Per chunk, last to first (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the
+// gradient of the state leaving the chunk, dS the one entering it; rows v of the transposed forms):
+//   dU^T = dO^T A + dSn^T Kd^T          A_ij = scale e^(gamma_i - gamma_j) q_i.k_j (i >= j),
+//                                        Kd = diag(e^(Gamma - gamma)) K
+//   dS^T = e^Gamma dSn^T + dO^T Qg - dU^T W,   Qg = diag(scale e^gamma) Q, W = Tu diag(e^gamma) K
+// carried in fp16 operands with power-of-two units (bench/reverse_chain_model.py, whose fp64 form
+// matches the CPU backend's dh0): the inverse kernel's K = 2^-ek K', Q = 2^-eq Q' and
+// Tu' = 2^et diag(2^-ek) Tu, and one unit R_v = 2^esc_v per row of dS^T, kept so that
+// max(|dSn^T row| , |D row|) lies in [2^2, 2^6).
+//
+// One CTA per (sequence, value head, V tile of 64), 3 warpgroups:
+//   WG0 warp 0, producer (one thread): produce_chunk as in the forward, the dO tile in V's slot
+//       (d_o's tensor map in RecParams::tmv), the chunks in reverse order, into a ring of kStages.
+//   WG1 aux, a chunk ahead of the chain: K', Q' in fp16 in place (aux_convert_qk); then
+//         A''  = e^(gamma_i - gamma_j) Q'_i.K'_j (i >= j, i < len), an fp16 image;
+//         Kw   = diag(e^gamma 2^-ek) K' (= diag(e^gamma) K) into W''s buffer, then over it
+//         W'   = -2^-et Tu' Kw (= -diag(2^-ek) W, negated: the math warpgroup accumulates);
+//         Kd'  = diag(e^(Gamma - gamma)) K' and Qg' = diag(e^gamma) Q' in place;
+//         D's per-token factors scale 2^-eq.
+//   WG2 math, 64 v rows of dS^T (fp32 wgmma accumulators, row v in units R_v); per chunk
+//         D    = fp16(R_v scale 2^-eq_i dO^T)                     (registers; dO^T by ldmatrix.trans)
+//         dU'  = D A'' + dSn' Kd'^T         (64 x 64, k = 64 + 128; it holds R_v 2^ek_j dU^T)
+//         dS'  = f e^Gamma dS' + D Qg' + dU' W'                   (64 x 128, k = 64 + 64)
+//       with dSn' the fp16 copy of dS'^T leaving the chunk and f the change of units. The chain
+//       is the dU' product, its fp16 copy and the W' product; D Qg' runs under the first.
+#pragma once
+
+#include "fused_chunks.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+struct RevCfg {
+  static constexpr int kMathWGs = 1;  // (produce_chunk: one 64-column box of the V slot)
+  static constexpr int kStages = 3;
+  static constexpr int kVT = 64;
+  static constexpr int kThreads = 384;
+  // Stage (1 KiB aligned parts): K|Q stacked as the forward's (K', Q', then Kd', Qg'); the dO
+  // tile; the region's Tu' image; A''; W' (64 tokens x 128 d, Lay<half_t>::TokD_K); the region's
+  // gates and exponents (kGateCopy bytes), then D's per-token factors.
+  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu + kImgTokTok * 2;
+  static constexpr uint32_t kW = kA2 + kImgTokTok * 2, kGates = kW + kQKBytes;
+  static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
+  static constexpr uint32_t kTokD = kGates + 1024;
+  static constexpr uint32_t kStageBytes = kGates + 2048;
+  static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;
+  static constexpr uint32_t kBar = kStages * kStageBytes;
+  static constexpr size_t kSmem = 1024 + kBar + 3 * kStages * 8;
+  static_assert(kSmem <= 232448, "reverse chain smem over the 227 KiB limit");
+  static_assert(kGateCopy <= 1024 && kTokD + kC * 4 <= kStageBytes, "stage parts overlap");
+};
+
+constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
+
+// The aux's operands of one chunk after aux_convert_qk (see the top of this file); the stage's
+// K|Q then holds Kd' | Qg'. Ends with the operands fenced for the async proxy.
+template <class Cfg>
+__device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
+  using H = cutlass::half_t;
+  using LH = Lay<H>;
+  const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
+  const float* sEg = sGam + (kInvEg - kInvGam) / 4;
+  const float* sEgk = sGam + (kInvEgk - kInvGam) / 4;
+  const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
+  const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
+  H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
+  H* sW = reinterpret_cast<H*>(stb + Cfg::kW);
+  // D's per-token factors: scale 2^-eq_i (scale and q's exponents ride on D, so that A'' and Qg'
+  // stay near unit size whatever scale is).
+  if (wt < kC) reinterpret_cast<float*>(stb + Cfg::kTokD)[wt] = p.scale * pow2i(-qexp[wt]);
+  fence_async_smem();
+  wg_bar(kBarAux);  // K', Q' converted by every thread before the wgmma reads them
+  QLA_PHASE(2);
+
+  // A'' (i, j) as an fp16 image, read by the math warpgroup as (j, i).
+  {
+    AuxAcc acc;
+    AuxA16 rA16;
+    aux_gated_scores(sQK, sGam, len, wt, acc, rA16 QLA_PHASE_PASS);
+    Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
+    stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
+  }
+  wg_bar(kBarAux);  // every warp's Q' K'^T has retired before K' and Q' change in place
+  QLA_PHASE(3);  // (4: the product, inside aux_gated_scores)
+
+  // Kw into W''s buffer, Kd' and Qg' in place, by 16-byte runs: thread wt takes runs wt + 128 it
+  // of the stacked operand, row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for it & 7 < 4,
+  // Q rows after (aux_convert_qk's runs). The 128-byte swizzle moves runs within their row only,
+  // so a K run at byte o of d-block h lies at o in W''s d-block h (8 KiB blocks instead of 16).
+  {
+    const int r0 = wt >> 3;
+    float kw[4], kd[4], qg[4];
+    CUTE_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int row = r0 + 16 * r;
+      kw[r] = sEg[row] * pow2i(-kexp[row]);
+      kd[r] = sEgk[row];
+      qg[r] = sEg[row];
+    }
+    const uint32_t qk = smem_u32(sQK) + 16u * wt, w = smem_u32(sW) + 16u * wt;
+    auto scaled = [](uint4 u, float s) {
+      uint32_t* pu = &u.x;
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<H>(pu[i]);
+        pu[i] = pack2<H>(f.x * s, f.y * s);
+      }
+      return u;
+    };
+#pragma unroll 1
+    for (int hb = 0; hb < 2; ++hb) {  // d-block hb
+      uint4 u[8];
+      CUTE_UNROLL
+      for (int r = 0; r < 8; ++r)
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(qk + 16u * 128u * (8 * hb + r)));
+      CUTE_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        sts128(w + 8192u * hb + 16u * 128u * r, scaled(u[r], kw[r]));
+        sts128(qk + 16u * 128u * (8 * hb + r), scaled(u[r], kd[r]));
+        sts128(qk + 16u * 128u * (8 * hb + 4 + r), scaled(u[4 + r], qg[r]));
+      }
+    }
+  }
+  fence_async_smem();
+  wg_bar(kBarAux);
+  QLA_PHASE(5);
+
+  // W' = -2^-et Tu' Kw (j, d), over Kw.
+  {
+    using WMma = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
+    auto mma = WMma{};
+    auto thr = mma.get_thread_slice(wt);
+    Tensor acc = partition_fragment_C(mma, Shape<_64, _128>{});
+    Tensor rTu = thr.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+    Tensor rKw = thr.partition_fragment_B(make_tensor(make_smem_ptr(sW), typename LH::DTok_MN{}));
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm_k(mma, rTu, rKw, acc, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    wg_bar(kBarAux);  // every warp's product has read Kw
+    QLA_PHASE(6);
+    const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
+    Tensor tW = make_tensor(make_smem_ptr(sW), typename LH::TokD_K{});
+    stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * acc(i); });
+  }
+  fence_async_smem();  // the generic stores before the math warpgroup's wgmma reads them
+  QLA_PHASE(7);
+}
+
+// The units of a chunk (see the top of this file): from max |dS^T row| (current units) and
+// max |D row| (this thread's dO^T pairs vp times D's per-token factors tf, in the current units);
+// leaves rS16 = dSn' (the fp16 copy of dS^T in the new units), D in rD16, f and esc.
+template <class T, class AccS, class S16, class D16>
+__device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& rD16, const uint32_t (&vp)[16],
+                                              const float2 (&tf)[8], int (&esc)[2], float (&f)[2]) {
+  using H = cutlass::half_t;
+  float m[2];
+  row_abs_max(accS, m);
+  float mv[2] = {0.f, 0.f};
+  CUTE_UNROLL
+  for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1 (row half k & 1), tokens of tf[k / 2]
+    const float2 a = unpack2<T>(vp[k]);
+    mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x * tf[k >> 1].x), fabsf(a.y * tf[k >> 1].y)));
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));  // (the units rarely change: see chunk_units)
+  float sc[2];
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) quad_row_units(fmaxf(m[h], mv[h] * pow2i(esc[h])), kRevUnitsLo, esc[h], f[h], sc[h]);
+  if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i) * f[acc_half(i)]);
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < 16; ++k) {
+    const float2 a = unpack2<T>(vp[k]);
+    const float s = sc[k & 1];
+    rD16(2 * k) = H(a.x * (tf[k >> 1].x * s));
+    rD16(2 * k + 1) = H(a.y * (tf[k >> 1].y * s));
+  }
+}
+
+// The reverse chain: RecParams as the fused forward's (whole sequences, tiles_log2 = 1), with
+// tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT d(initial state), in
+// the state layout vk.
+template <class T>
+__global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(const __grid_constant__ RecParams p) {
+  using Cfg = RevCfg;
+  using H = cutlass::half_t;
+  using LH = Lay<H>;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
+  uint64_t* aready = full + kStages;
+  uint64_t* empty = aready + kStages;
+
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+  wait_for_previous_kernels();  // the chunk table and the inverse kernel's regions
+  const PieceCta tile = piece_cta(p);
+  if (fused_cta_idle<T>(p, tile)) return;  // (malformed cu_seqlens: d(initial state) NaN)
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&aready[s], 128);
+      mbar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const PieceRole role = piece_role(p, tile, kDV / Cfg::kVT, false, 0);
+  if (!role.run) return;
+  // Loop step c takes chunk c0 + nch - 1 - c of the sequence (last first).
+  const int nch = role.nch;
+  auto chunk_of = [&](int c) { return role.c0 + nch - 1 - c; };
+  auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
+  auto parity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (wt != 0) return;
+    const int hq = tile.hv / (p.HV / p.H);
+    for (int c = 0; c < nch; ++c) {
+      const int st = c % kStages, cc = chunk_of(c);
+      const int tok = static_cast<int>(tile.t0) + cc * kC, bb = static_cast<int>(tile.b);
+      const size_t region = static_cast<size_t>(tile.ci0 + cc) * p.HV + tile.hv;
+      mbar_wait(&empty[st], parity(c) ^ 1);
+      produce_chunk<Cfg>(p, stage(c), &full[st], region, hq, tile.hv, tile.vt * Cfg::kVT, tok, bb);
+    }
+    return;
+  }
+
+  if (wg == 1) {
+    // ---------------- aux: the chunk's operands ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    QLA_PHASES(8);
+    for (int c = 0; c < nch; ++c) {
+      uint8_t* stb = stage(c);
+      mbar_wait(&full[c % kStages], parity(c));
+      QLA_PHASE(0);
+      const int len = static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC));
+      aux_convert_qk<T, Cfg>(stb, len, wt QLA_PHASE_PASS);
+      aux_reverse_operands<Cfg>(p, stb, len, wt QLA_PHASE_PASS);
+      mbar_arrive(&aready[c % kStages]);
+    }
+    QLA_PHASES_PRINT("reverse aux (wait, exponents, convert + factors, gate + A'' store, Q'K'^T, Kw Kd' Qg', W' product, W' store)", 8, nch);
+    return;
+  }
+
+  // ---------------- math: the chain ----------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  auto mmaU = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // B = Kd' (j, d)
+  auto mmaA = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});   // B = A'' as (j, i)
+  auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Qg', W' as (d, tok)
+  auto thrU = mmaU.get_thread_slice(wt);
+  auto thrA = mmaA.get_thread_slice(wt);
+  auto thrS = mmaS.get_thread_slice(wt);
+  Tensor accS = partition_fragment_C(mmaS, Shape<_64, _128>{});  // dS^T (v, d), row v in units 2^esc_v
+  Tensor accU = partition_fragment_C(mmaU, Shape<_64, _64>{});   // dU' (v, tok)
+  Tensor cS = thrS.partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  Tensor cU = thrU.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  // Register A operands (fp16; the accumulator's element order, as in the forward).
+  Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // dSn'
+  Tensor rD16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // D
+  Tensor rU16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // dU'
+  const int v0 = tile.vt * Cfg::kVT;
+  load_entering_state(p, kInitH0, tile.n, tile.hv, v0, nullptr, nullptr, accS, cS);  // d(final state)
+  int esc[2] = {0, 0};
+  QLA_PHASES(5);  // wait, units and D, dU' issued + decay, D Qg' + dU' copy, W' product
+
+  for (int c = 0; c < nch; ++c) {
+    const int st = c % kStages;
+    uint8_t* stb = stage(c);
+    H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
+    const float* sG = reinterpret_cast<const float*>(stb + Cfg::kGates);
+    const float* sTokD = reinterpret_cast<const float*>(stb + Cfg::kTokD);
+    mbar_wait(&full[st], parity(c));
+    mbar_wait(&aready[st], parity(c));
+    QLA_PHASE(0);
+    const float eG = sG[(kInvEG - kInvGam) / 4];
+    uint32_t vp[16];  // dO^T pairs
+    load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
+    float2 tf[8];  // D's factors of this thread's 8 token pairs
+    CUTE_UNROLL
+    for (int k = 0; k < 8; ++k) tf[k] = *reinterpret_cast<const float2*>(sTokD + get<1>(cU(4 * k)));
+    float f[2];
+    reverse_units<T>(accS, rS16, rD16, vp, tf, esc, f);
+    QLA_PHASE(1);
+
+    // dU' = D A'' + dSn' Kd'^T.
+    Tensor rA2 = thrA.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_MN{}));
+    Tensor rKd = thrU.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_K{}), Shape<_64, _128>{}, make_coord(0, 0)));
+    warpgroup_fence_operand(rD16);
+    warpgroup_fence_operand(rS16);
+    warpgroup_fence_operand(accU);
+    warpgroup_arrive();
+    gemm_k(mmaA, rD16, rA2, accU, GMMA::ScaleOut::Zero);
+    gemm_k(mmaU, rS16, rKd, accU, GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    // dS' = f e^Gamma dS' + D Qg', under the first product.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
+    QLA_PHASE(2);
+    Tensor rQg = thrS.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_MN{}), Shape<_128, _64>{}, make_coord(0, 1)));
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    gemm_k(mmaS, rD16, rQg, accS, GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    // dU' in fp16 once the first product is done, then dS' += dU' W'.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accU);
+    CUTE_UNROLL
+    for (int i = 0; i < size(accU); ++i) rU16(i) = H(accU(i));
+    QLA_PHASE(3);
+    Tensor rW = thrS.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kW)), typename LH::DTok_MN{}));
+    warpgroup_fence_operand(rU16);
+    warpgroup_arrive();
+    gemm_k(mmaS, rU16, rW, accS, GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS);
+    mbar_arrive(&empty[st]);  // every read of the stage is done
+    QLA_PHASE(4);
+  }
+  QLA_PHASES_PRINT("reverse math (wait, units + D, dU' + decay, D Qg' + dU' copy, W')", 5, nch);
+
+  store_leaving_state<false>(p, kEndFinal, tile.n, tile.hv, v0, nullptr, accS, cS, esc);  // d(initial state)
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
