@@ -303,16 +303,12 @@ using AuxMma = decltype(make_tiled_mma(
     GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>()));
 using AuxAcc = decltype(partition_fragment_C(AuxMma{}, Shape<_64, _64>{}));
 
-// A_ij = e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (scale is O's factor), from
-// Q' K'^T (the K|Q operand sQK, fp16) into acc, then as fp16 into rA16 (a register A operand of
-// K = 64, or a 64 x 64 accumulator's elements for stmatrix_rows).
-using AuxA16 = decltype(make_tensor<cutlass::half_t>(Shape<Shape<_2, _2, _2>, _1, _4>{}));
-__device__ __forceinline__ void aux_gated_scores(const cutlass::half_t* sQK, const float* sGam, int len, int wt, AuxAcc& acc,
-                                                 AuxA16& rA16 QLA_PHASE_ARGS) {
-  using H = cutlass::half_t;
-  auto mma = AuxMma{};
+// acc = Q K^T from the stacked K|Q operand sQK of element type E (the fp16 copies K', Q', or the
+// raw 16-bit inputs), issued as one wgmma batch and committed, not waited for.
+template <class E>
+__device__ __forceinline__ void aux_issue_qk(const E* sQK, int wt, AuxAcc& acc) {
+  auto mma = make_tiled_mma(GMMA::ss_op_selector<E, E, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
   auto thr = mma.get_thread_slice(wt);
-  Tensor cc = thr.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
   Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
   Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
   Tensor rK = thr.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0)));
@@ -320,19 +316,45 @@ __device__ __forceinline__ void aux_gated_scores(const cutlass::half_t* sQK, con
   warpgroup_arrive();
   gemm_k(mma, rQ, rK, acc, GMMA::ScaleOut::Zero);
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  QLA_PHASE(4);
-  // The gate as a clamped difference (no overflow).
+}
+
+// The gated scores from acc = Q K^T (waited for): A_ij = e^(gamma_i - gamma_j) acc_ij for
+// j <= i < len, else 0, into rA16 (fp16: a register A operand of K = 64, or a 64 x 64
+// accumulator's elements for stmatrix_rows). kExp: times 2^(eq_i + ek_j) too (the per-token
+// exponents qexp, kexp: scores of the raw inputs in the units of Q' K'^T), folded into the
+// exponential's argument. The gate as a clamped difference (no overflow).
+using AuxA16 = decltype(make_tensor<cutlass::half_t>(Shape<Shape<_2, _2, _2>, _1, _4>{}));
+template <bool kExp>
+__device__ __forceinline__ void aux_gate_scores(const float* sGam, const int8_t* qexp, const int8_t* kexp, int len, int wt,
+                                                const AuxAcc& acc, AuxA16& rA16) {
+  using H = cutlass::half_t;
+  Tensor cc = AuxMma{}.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(cc(i)), j = get<1>(cc(i));
     const float gr = sGam[r];
     const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
     const float sr = r < len ? 1.f : 0.f;
-    rA16(i) = H(r >= j ? sr * exp2_approx(fminf(gr - gc.x, 0.f) * kLog2e) * acc(i) : 0.f);
-    rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(fminf(gr - gc.y, 0.f) * kLog2e) * acc(i + 1) : 0.f);
+    float x0 = fminf(gr - gc.x, 0.f) * kLog2e, x1 = fminf(gr - gc.y, 0.f) * kLog2e;
+    if constexpr (kExp) {
+      const int er = qexp[r];
+      x0 += static_cast<float>(er + kexp[j]);
+      x1 += static_cast<float>(er + kexp[j + 1]);
+    }
+    rA16(i) = H(r >= j ? sr * exp2_approx(x0) * acc(i) : 0.f);
+    rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(x1) * acc(i + 1) : 0.f);
   }
+}
+
+// A_ij = e^(gamma_i - gamma_j) q_i.k_j for j <= i < len, else 0 (scale is O's factor), from
+// Q' K'^T (the K|Q operand sQK, fp16) into acc, then as fp16 into rA16.
+__device__ __forceinline__ void aux_gated_scores(const cutlass::half_t* sQK, const float* sGam, int len, int wt, AuxAcc& acc,
+                                                 AuxA16& rA16 QLA_PHASE_ARGS) {
+  aux_issue_qk(sQK, wt, acc);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  QLA_PHASE(4);
+  aux_gate_scores<false>(sGam, nullptr, nullptr, len, wt, acc, rA16);
 }
 
 // The gated scores A (aux_gated_scores), then acc = W = A Tu (sTu: the Tu image, read as

@@ -16,12 +16,12 @@
 // One CTA per (sequence, value head, V tile of 64), 3 warpgroups:
 //   WG0 warp 0, producer (one thread): produce_chunk as in the forward, the dO tile in V's slot
 //       (d_o's tensor map in RecParams::tmv), the chunks in reverse order, into a ring of kStages.
-//   WG1 aux, a chunk ahead of the chain: K', Q' in fp16 in place (aux_convert_qk); then
-//         A''  = e^(gamma_i - gamma_j) Q'_i.K'_j (i >= j, i < len), an fp16 image;
-//         Kw   = diag(e^gamma 2^-ek) K' (= diag(e^gamma) K) into W''s buffer, then over it
+//   WG1 aux, a chunk ahead of the chain, from the raw 16-bit K|Q tile (aux_reverse_operands):
+//         A''  = e^(gamma_i - gamma_j) 2^(eq_i + ek_j) q_i.k_j (i >= j, i < len), an fp16 image;
+//         Kw   = diag(e^gamma) K into W''s buffer, then over it
 //         W'   = -2^-et Tu' Kw (= -diag(2^-ek) W, negated: the math warpgroup accumulates);
-//         Kd'  = diag(e^(Gamma - gamma)) K' and Qg' = diag(e^gamma) Q' in place;
-//         D's per-token factors scale 2^-eq.
+//         Kd'  = diag(e^(Gamma - gamma) 2^ek) K and Qg' = diag(e^gamma 2^eq) Q in place;
+//         D's per-token factors scale 2^-eq (zero past the sequence's end).
 //   WG2 math, 64 v rows of dS^T (fp32 wgmma accumulators, row v in units R_v); per chunk
 //         D    = fp16(R_v scale 2^-eq_i dO^T)                     (registers; dO^T by ldmatrix.trans)
 //         dU'  = D A'' + dSn' Kd'^T         (64 x 64, k = 64 + 128; it holds R_v 2^ek_j dU^T)
@@ -41,7 +41,7 @@ struct RevCfg {
   static constexpr int kStages = 3;
   static constexpr int kVT = 64;
   static constexpr int kThreads = 384;
-  // Stage (1 KiB aligned parts): K|Q stacked as the forward's (K', Q', then Kd', Qg'); the dO
+  // Stage (1 KiB aligned parts): K|Q stacked as the forward's (raw, then Kd', Qg'); the dO
   // tile; the region's Tu' image; A''; W' (64 tokens x 128 d, Lay<half_t>::TokD_K); the region's
   // gates and exponents (kGateCopy bytes), then D's per-token factors.
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu + kImgTokTok * 2;
@@ -58,9 +58,17 @@ struct RevCfg {
 
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
 
-// The aux's operands of one chunk after aux_convert_qk (see the top of this file); the stage's
-// K|Q then holds Kd' | Qg'. Ends with the operands fenced for the async proxy.
-template <class Cfg>
+// The aux's operands of one chunk (see the top of this file), from the raw 16-bit K|Q tile (type
+// T) as it landed: one read of each run for Kw, one for Kd' and Qg' (written in place), the
+// scores from the raw tile on the tensor cores with the exponents folded into their gates.
+//   1. D's per-token factors; issue S = Q K^T (SS, raw tile).
+//   2. Kw = e^gamma K into W''s buffer; issue W'acc = Tu' Kw (SS), under which
+//   3. the gate epilogue of S gives A'' (fp16 image, stmatrix), then
+//   4. Kd' = e^(Gamma - gamma) 2^ek K and Qg' = e^gamma 2^eq Q in place (zero past the
+//      sequence's end: the region's gates are zero there), and
+//   5. W' = -2^-et W'acc over Kw.
+// Ends with the operands fenced for the async proxy.
+template <class T, class Cfg>
 __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   using LH = Lay<H>;
@@ -69,90 +77,98 @@ __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t
   const float* sEgk = sGam + (kInvEgk - kInvGam) / 4;
   const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
   const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
-  H* sQK = reinterpret_cast<H*>(stb + Cfg::kQK);
+  T* sQK = reinterpret_cast<T*>(stb + Cfg::kQK);
   H* sW = reinterpret_cast<H*>(stb + Cfg::kW);
   // D's per-token factors: scale 2^-eq_i (scale and q's exponents ride on D, so that A'' and Qg'
-  // stay near unit size whatever scale is).
-  if (wt < kC) reinterpret_cast<float*>(stb + Cfg::kTokD)[wt] = p.scale * pow2i(-qexp[wt]);
-  fence_async_smem();
-  wg_bar(kBarAux);  // K', Q' converted by every thread before the wgmma reads them
-  QLA_PHASE(2);
+  // stay near unit size whatever scale is), zero past the sequence's end (D's rows there).
+  if (wt < kC) reinterpret_cast<float*>(stb + Cfg::kTokD)[wt] = wt < len ? p.scale * pow2i(-qexp[wt]) : 0.f;
+  AuxAcc accS;  // Q K^T
+  aux_issue_qk(sQK, wt, accS);
+  QLA_PHASE(1);
 
-  // A'' (i, j) as an fp16 image, read by the math warpgroup as (j, i).
+  // Thread wt takes the 16-byte runs wt + 128 it of the stacked operand: row wt / 8 + 16 (it & 3)
+  // of d-block it / 8, K rows for it & 7 < 4, Q rows after (as aux_convert_qk's). The
+  // 128-byte swizzle moves runs within their row only, so a K run at byte o of d-block h lies at
+  // o in W''s d-block h (8 KiB blocks instead of 16).
+  const int r0 = wt >> 3;
+  const uint32_t qk = smem_u32(sQK) + 16u * wt, w = smem_u32(sW) + 16u * wt;
+  auto run = [&](int it) { return qk + 16u * 128u * it; };
+  auto load_run = [](uint32_t a) {
+    uint4 u;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
+    return u;
+  };
+  auto scaled = [](uint4 u, float sc) {  // eight 16-bit inputs times sc, as fp16
+    uint32_t* pu = &u.x;
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = unpack2<T>(pu[i]);
+      pu[i] = pack2<H>(f.x * sc, f.y * sc);
+    }
+    return u;
+  };
   {
-    AuxAcc acc;
+    float kw[4];
+    CUTE_UNROLL
+    for (int r = 0; r < 4; ++r) kw[r] = sEg[r0 + 16 * r];
+    uint4 u[8];
+    CUTE_UNROLL
+    for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * (r >> 2) + (r & 3)));
+    CUTE_UNROLL
+    for (int r = 0; r < 8; ++r) sts128(w + 8192u * (r >> 2) + 16u * 128u * (r & 3), scaled(u[r], kw[r & 3]));
+  }
+  fence_async_smem();
+  wg_bar(kBarAux);  // Kw written by every thread before the wgmma reads it
+  QLA_PHASE(2);
+  using WMma = decltype(make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
+  auto mmaW = WMma{};
+  Tensor accW = partition_fragment_C(mmaW, Shape<_64, _128>{});  // W'acc (j, d)
+  {
+    auto thr = mmaW.get_thread_slice(wt);
+    Tensor rTu = thr.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+    Tensor rKw = thr.partition_fragment_B(make_tensor(make_smem_ptr(sW), typename LH::DTok_MN{}));
+    warpgroup_fence_operand(accW);
+    warpgroup_arrive();
+    gemm_k(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
+    warpgroup_commit_batch();
+  }
+  // A'' from S, while W'acc runs.
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(accS);
+  QLA_PHASE(3);
+  {
     AuxA16 rA16;
-    aux_gated_scores(sQK, sGam, len, wt, acc, rA16 QLA_PHASE_PASS);
+    aux_gate_scores<true>(sGam, qexp, kexp, len, wt, accS, rA16);
     Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
     stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
   }
-  wg_bar(kBarAux);  // every warp's Q' K'^T has retired before K' and Q' change in place
-  QLA_PHASE(3);  // (4: the product, inside aux_gated_scores)
-
-  // Kw into W''s buffer, Kd' and Qg' in place, by 16-byte runs: thread wt takes runs wt + 128 it
-  // of the stacked operand, row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for it & 7 < 4,
-  // Q rows after (aux_convert_qk's runs). The 128-byte swizzle moves runs within their row only,
-  // so a K run at byte o of d-block h lies at o in W''s d-block h (8 KiB blocks instead of 16).
+  wg_bar(kBarAux);  // every warp's Q K^T has read the raw tile before it changes in place
+  QLA_PHASE(4);
   {
-    const int r0 = wt >> 3;
-    float kw[4], kd[4], qg[4];
+    float kd[4], qg[4];
     CUTE_UNROLL
     for (int r = 0; r < 4; ++r) {
       const int row = r0 + 16 * r;
-      kw[r] = sEg[row] * pow2i(-kexp[row]);
-      kd[r] = sEgk[row];
-      qg[r] = sEg[row];
+      kd[r] = sEgk[row] * pow2i(kexp[row]);
+      qg[r] = sEg[row] * pow2i(qexp[row]);
     }
-    const uint32_t qk = smem_u32(sQK) + 16u * wt, w = smem_u32(sW) + 16u * wt;
-    auto scaled = [](uint4 u, float s) {
-      uint32_t* pu = &u.x;
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<H>(pu[i]);
-        pu[i] = pack2<H>(f.x * s, f.y * s);
-      }
-      return u;
-    };
 #pragma unroll 1
     for (int hb = 0; hb < 2; ++hb) {  // d-block hb
       uint4 u[8];
       CUTE_UNROLL
-      for (int r = 0; r < 8; ++r)
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(qk + 16u * 128u * (8 * hb + r)));
+      for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * hb + r));
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        sts128(w + 8192u * hb + 16u * 128u * r, scaled(u[r], kw[r]));
-        sts128(qk + 16u * 128u * (8 * hb + r), scaled(u[r], kd[r]));
-        sts128(qk + 16u * 128u * (8 * hb + 4 + r), scaled(u[4 + r], qg[r]));
-      }
+      for (int r = 0; r < 8; ++r) sts128(run(8 * hb + r), scaled(u[r], r < 4 ? kd[r] : qg[r - 4]));
     }
   }
-  fence_async_smem();
-  wg_bar(kBarAux);
   QLA_PHASE(5);
-
-  // W' = -2^-et Tu' Kw (j, d), over Kw.
-  {
-    using WMma = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
-    auto mma = WMma{};
-    auto thr = mma.get_thread_slice(wt);
-    Tensor acc = partition_fragment_C(mma, Shape<_64, _128>{});
-    Tensor rTu = thr.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
-    Tensor rKw = thr.partition_fragment_B(make_tensor(make_smem_ptr(sW), typename LH::DTok_MN{}));
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    gemm_k(mma, rTu, rKw, acc, GMMA::ScaleOut::Zero);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    wg_bar(kBarAux);  // every warp's product has read Kw
-    QLA_PHASE(6);
-    const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
-    Tensor tW = make_tensor(make_smem_ptr(sW), typename LH::TokD_K{});
-    stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * acc(i); });
-  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accW);
+  wg_bar(kBarAux);  // every warp's product has read Kw
+  QLA_PHASE(6);
+  const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
+  Tensor tW = make_tensor(make_smem_ptr(sW), typename LH::TokD_K{});
+  stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * accW(i); });
   fence_async_smem();  // the generic stores before the math warpgroup's wgmma reads them
   QLA_PHASE(7);
 }
@@ -251,11 +267,10 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       const int len = static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC));
-      aux_convert_qk<T, Cfg>(stb, len, wt QLA_PHASE_PASS);
-      aux_reverse_operands<Cfg>(p, stb, len, wt QLA_PHASE_PASS);
+      aux_reverse_operands<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
       mbar_arrive(&aready[c % kStages]);
     }
-    QLA_PHASES_PRINT("reverse aux (wait, exponents, convert + factors, gate + A'' store, Q'K'^T, Kw Kd' Qg', W' product, W' store)", 8, nch);
+    QLA_PHASES_PRINT("reverse aux (wait, QK^T issued, Kw, W' issued + QK^T wait, A'' store, Kd' Qg', W' wait, W' store)", 8, nch);
     return;
   }
 
