@@ -22,7 +22,7 @@ inline ByteSpan state_bytes(const void* data, DType dtype, const int64_t* st, in
   const int64_t cols = layout == StateLayout::kKV ? s.head_dim_v : s.head_dim_k;
   int64_t lo = 0, hi = cols - 1;  // element offsets (strides may be negative)
   for (int64_t ext : {(count - 1) * st[0], (s.num_v_heads - 1) * st[1], (rows - 1) * st[2]}) (ext < 0 ? lo : hi) += ext;
-  const int64_t size = dtype == DType::kFloat64 ? 8 : 4;
+  const int64_t size = dtype == DType::kFloat64 ? 8 : dtype == DType::kBFloat16 || dtype == DType::kFloat16 ? 2 : 4;
   const auto at = reinterpret_cast<uintptr_t>(data);
   return {at + static_cast<uintptr_t>(lo * size), at + static_cast<uintptr_t>(hi * size + size - 1)};
 }

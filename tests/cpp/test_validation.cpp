@@ -78,6 +78,24 @@ TEST(Validation, ForwardRejectsBadArguments) {
   EXPECT_TRUE(qla::gdn_forward(f).ok());
 }
 
+TEST(Validation, SixteenBitStatesEndingWhereFp32StatesBeginDoNotOverlap) {
+  // The overlap check spans each state tensor at its own element size. Counted at 4 bytes, a bf16
+  // initial state seemed to reach into an fp32 final state placed right after it: a read-only
+  // 16-bit pool with fresh fp32 final states was refused whenever the allocator put them there.
+  Problem p = make_problem(3, 1, 20, 1, 2, 8, 8, {0, 5, 20});
+  Buffers buf;
+  qla::GdnForwardParams f = forward_params(p, qla::DType::kFloat32, buf);
+  const int64_t n16 = p.N() * p.HV * p.K * p.V;  // elements of the bf16 initial state
+  std::vector<uint8_t> mem(n16 * 2 + n16 * 4, 0);  // (zero bits: 0 in bf16 and fp32)
+  f.initial_state.data = mem.data();
+  f.initial_state.dtype = qla::DType::kBFloat16;
+  f.final_state.data = mem.data() + n16 * 2;
+  const qla::Status s = qla::gdn_forward(f);
+  EXPECT_TRUE(s.ok()) << s.message();
+  f.final_state.data = mem.data() + n16 * 2 - 4;  // its first element over the bf16 state's last two
+  expect_error(f, "final_state: expected memory apart from initial_state's");
+}
+
 TEST(Validation, ForwardRejectsBadCuSeqlensValues) {
   Problem p = make_problem(2, 1, 20, 1, 1, 4, 4, {0, 5, 20});
   Buffers buf;
