@@ -13,7 +13,7 @@
 // Tu' = 2^et diag(2^-ek) Tu, and one unit R_v = 2^esc_v per row of dS^T, kept so that
 // max(|dSn^T row| , |D row|) lies in [2^2, 2^6).
 //
-// One CTA per (sequence, value head, V tile of 64), 3 warpgroups:
+// One CTA per (sequence, value head, V tile of 64 or 128), 2 + kMathWGs warpgroups:
 //   WG0 warp 0, producer (one thread): produce_chunk as in the forward, the dO tile in V's slot
 //       (d_o's tensor map in RecParams::tmv), the chunks in reverse order, into a ring of kStages.
 //   WG1 aux, a chunk ahead of the chain, from the raw 16-bit K|Q tile (aux_reverse_operands):
@@ -22,7 +22,7 @@
 //         W'   = -2^-et Tu' Kw (= -diag(2^-ek) W, negated: the math warpgroup accumulates);
 //         Kd'  = diag(e^(Gamma - gamma) 2^ek) K and Qg' = diag(e^gamma 2^eq) Q in place;
 //         D's per-token factors scale 2^-eq (zero past the sequence's end).
-//   WG2 math, 64 v rows of dS^T (fp32 wgmma accumulators, row v in units R_v); per chunk
+//   WG2.. math, 64 v rows of dS^T each (fp32 wgmma accumulators, row v in units R_v); per chunk
 //         D    = fp16(R_v scale 2^-eq_i dO^T)                     (registers; dO^T by ldmatrix.trans)
 //         dU'  = D A'' + dSn' Kd'^T         (64 x 64, k = 64 + 128; it holds R_v 2^ek_j dU^T)
 //         dS'  = f e^Gamma dS' + D Qg' + dU' W'                   (64 x 128, k = 64 + 64)
@@ -36,16 +36,27 @@ namespace qla {
 namespace sm90 {
 namespace {
 
+// kMathWGs math warpgroups of 64 v rows each: V tile 64 (one) or 128 (two, sharing every load and
+// the aux's work, as the forward's FusedCfg).
+template <int kMathWGs_>
 struct RevCfg {
-  static constexpr int kMathWGs = 1;  // (produce_chunk: one 64-column box of the V slot)
+  static constexpr int kMathWGs = kMathWGs_;
   static constexpr int kStages = 3;
-  static constexpr int kVT = 64;
-  static constexpr int kThreads = 384;
-  // Stage (1 KiB aligned parts): K|Q stacked as the forward's (raw, then Kd', Qg'); the dO
-  // tile; the region's Tu' image; A''; W' (64 tokens x 128 d, Lay<half_t>::TokD_K); the region's
-  // gates and exponents (kGateCopy bytes), then D's per-token factors.
-  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu + kImgTokTok * 2;
-  static constexpr uint32_t kW = kA2 + kImgTokTok * 2, kGates = kW + kQKBytes;
+  static constexpr int kVT = 64 * kMathWGs;
+  static constexpr int kThreads = 128 * (2 + kMathWGs);
+  // Registers per thread by role (setmaxnreg; the SM's 64 Ki registers are 512 per thread of a
+  // warpgroup slot): producer, aux, each math warpgroup. The aux holds two accumulators in flight
+  // (Q K^T, W') and A'': at 120 it spilled 532 bytes and ptxas serialized its wgmma (C7512), as
+  // it does the math warpgroups' below 176.
+  static constexpr int kRegs[3] = {kMathWGs == 1 ? 40 : 24, kMathWGs == 1 ? 200 : 136, kMathWGs == 1 ? 232 : 176};
+  static constexpr int kEntryRegs = (65536 / kThreads) & ~7;  // what every thread starts with
+  static_assert(kRegs[0] + kRegs[1] + kMathWGs * kRegs[2] <= 512, "register budgets over the SM's");
+  // Stage (1 KiB aligned parts): K|Q stacked as the forward's (raw, then Kd', Qg'); the dO tile
+  // (one 64-column box per math warpgroup); the region's Tu' image, then A'' over it (the aux
+  // stores A'' once its W' product has read Tu'); W' (64 tokens x 128 d, Lay<half_t>::TokD_K);
+  // the region's gates and exponents (kGateCopy bytes), then D's per-token factors.
+  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu;
+  static constexpr uint32_t kW = kTu + kImgTokTok * 2, kGates = kW + kQKBytes;
   static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
   static constexpr uint32_t kTokD = kGates + 1024;
   static constexpr uint32_t kStageBytes = kGates + 2048;
@@ -56,6 +67,13 @@ struct RevCfg {
   static_assert(kGateCopy <= 1024 && kTokD + kC * 4 <= kStageBytes, "stage parts overlap");
 };
 
+// This warpgroup's registers to n (setmaxnreg: up or down from the entry count).
+template <int n, int kEntry>
+__device__ __forceinline__ void set_role_registers() {
+  if constexpr (n > kEntry) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(n) : "memory");
+  else if constexpr (n < kEntry) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(n) : "memory");
+}
+
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
 
 // The aux's operands of one chunk (see the top of this file), from the raw 16-bit K|Q tile (type
@@ -63,10 +81,10 @@ constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2,
 // scores from the raw tile on the tensor cores with the exponents folded into their gates.
 //   1. D's per-token factors; issue S = Q K^T (SS, raw tile).
 //   2. Kw = e^gamma K into W''s buffer; issue W'acc = Tu' Kw (SS), under which
-//   3. the gate epilogue of S gives A'' (fp16 image, stmatrix), then
+//   3. the gate epilogue of S gives A'' (fp16, in registers), then
 //   4. Kd' = e^(Gamma - gamma) 2^ek K and Qg' = e^gamma 2^eq Q in place (zero past the
 //      sequence's end: the region's gates are zero there), and
-//   5. W' = -2^-et W'acc over Kw.
+//   5. A'' stored over Tu', W' = -2^-et W'acc over Kw.
 // Ends with the operands fenced for the async proxy.
 template <class T, class Cfg>
 __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
@@ -132,16 +150,12 @@ __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t
     gemm_k(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
   }
-  // A'' from S, while W'acc runs.
+  // A'' from S (registers) while W'acc runs; stored over Tu' once the product has read it.
   warpgroup_wait<1>();
   warpgroup_fence_operand(accS);
   QLA_PHASE(3);
-  {
-    AuxA16 rA16;
-    aux_gate_scores<true>(sGam, qexp, kexp, len, wt, accS, rA16);
-    Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
-    stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
-  }
+  AuxA16 rA16;
+  aux_gate_scores<true>(sGam, qexp, kexp, len, wt, accS, rA16);
   wg_bar(kBarAux);  // every warp's Q K^T has read the raw tile before it changes in place
   QLA_PHASE(4);
   {
@@ -153,19 +167,25 @@ __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t
       qg[r] = sEg[row] * pow2i(qexp[row]);
     }
 #pragma unroll 1
-    for (int hb = 0; hb < 2; ++hb) {  // d-block hb
-      uint4 u[8];
+    for (int hb = 0; hb < 2; ++hb) {  // d-block hb: its K runs, then its Q runs, four at a time
+      uint4 u[4];
       CUTE_UNROLL
-      for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * hb + r));
+      for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + r));
       CUTE_UNROLL
-      for (int r = 0; r < 8; ++r) sts128(run(8 * hb + r), scaled(u[r], r < 4 ? kd[r] : qg[r - 4]));
+      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + r), scaled(u[r], kd[r]));
+      CUTE_UNROLL
+      for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + 4 + r));
+      CUTE_UNROLL
+      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled(u[r], qg[r]));
     }
   }
   QLA_PHASE(5);
   warpgroup_wait<0>();
   warpgroup_fence_operand(accW);
-  wg_bar(kBarAux);  // every warp's product has read Kw
+  wg_bar(kBarAux);  // every warp's product has read Tu' and Kw
   QLA_PHASE(6);
+  Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
+  stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
   const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
   Tensor tW = make_tensor(make_smem_ptr(sW), typename LH::TokD_K{});
   stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * accW(i); });
@@ -206,12 +226,12 @@ __device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& 
   }
 }
 
-// The reverse chain: RecParams as the fused forward's (whole sequences, tiles_log2 = 1), with
-// tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT d(initial state), in
-// the state layout vk.
-template <class T>
-__global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(const __grid_constant__ RecParams p) {
-  using Cfg = RevCfg;
+// The reverse chain: RecParams as the fused forward's (whole sequences; tiles_log2 = 1 at V tile
+// 64, 0 at 128), with tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT
+// d(initial state), in the state layout vk.
+template <class T, int kMathWGs>
+__global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_reverse(const __grid_constant__ RecParams p) {
+  using Cfg = RevCfg<kMathWGs>;
   using H = cutlass::half_t;
   using LH = Lay<H>;
   constexpr int kStages = Cfg::kStages;
@@ -230,7 +250,7 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&aready[s], 128);
-      mbar_init(&empty[s], 128);
+      mbar_init(&empty[s], 128 * kMathWGs);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -245,7 +265,7 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    set_role_registers<Cfg::kRegs[0], Cfg::kEntryRegs>();
     if (wt != 0) return;
     const int hq = tile.hv / (p.HV / p.H);
     for (int c = 0; c < nch; ++c) {
@@ -260,7 +280,7 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
 
   if (wg == 1) {
     // ---------------- aux: the chunk's operands ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 160;" ::: "memory");
+    set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
     QLA_PHASES(8);
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
@@ -275,7 +295,8 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
   }
 
   // ---------------- math: the chain ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  set_role_registers<Cfg::kRegs[2], Cfg::kEntryRegs>();
+  const int mw = wg - 2;  // this math warpgroup's 64 v rows of the tile
   auto mmaU = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // B = Kd' (j, d)
   auto mmaA = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});   // B = A'' as (j, i)
   auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Qg', W' as (d, tok)
@@ -290,7 +311,7 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
   Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // dSn'
   Tensor rD16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // D
   Tensor rU16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // dU'
-  const int v0 = tile.vt * Cfg::kVT;
+  const int v0 = tile.vt * Cfg::kVT + 64 * mw;
   load_entering_state(p, kInitH0, tile.n, tile.hv, v0, nullptr, nullptr, accS, cS);  // d(final state)
   int esc[2] = {0, 0};
   QLA_PHASES(5);  // wait, units and D, dU' issued + decay, D Qg' + dU' copy, W' product
@@ -306,7 +327,7 @@ __global__ void __launch_bounds__(RevCfg::kThreads, 1) gdn_bwd_fused_reverse(con
     QLA_PHASE(0);
     const float eG = sG[(kInvEG - kInvGam) / 4];
     uint32_t vp[16];  // dO^T pairs
-    load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV), wt, vp);
+    load_vt_pairs(reinterpret_cast<const T*>(stb + Cfg::kV) + mw * kC * 64, wt, vp);
     float2 tf[8];  // D's factors of this thread's 8 token pairs
     CUTE_UNROLL
     for (int k = 0; k < 8; ++k) tf[k] = *reinterpret_cast<const float2*>(sTokD + get<1>(cU(4 * k)));

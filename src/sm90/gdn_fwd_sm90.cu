@@ -579,12 +579,14 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
 
 // Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
 // section 10, build step 2): the chunk table and the inverse kernel into p.workspace (the fused
-// forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64): d_o
-// and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout.
-template <class T>
+// forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or
+// 128): d_o and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout.
+template <class T, int kMathWGs>
 Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0) {
+  using Cfg = RevCfg<kMathWGs>;
   if (num_seqs(p) == 0) return Status::Ok();
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)RevCfg::kSmem),
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
   SplitChoice sc;
   sc.fused = true;
@@ -610,10 +612,11 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
   rp.hT = static_cast<float*>(dh0.data);
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
   rp.h0_pool = rp.hT_pool = PoolIndex{};
-  rp.tiles_log2 = 1;  // two V tiles of 64 per value head
+  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
   rp.pass = 0;
-  gdn_bwd_fused_reverse<T><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads), 2),
-                              RevCfg::kThreads, RevCfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
+  gdn_bwd_fused_reverse<T, kMathWGs><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads),
+                                                kDV / Cfg::kVT),
+                                       Cfg::kThreads, Cfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
   return Status::Ok();
 }
@@ -651,11 +654,13 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   return launch_inverse_alone<cutlass::half_t>(p, regions);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
-                              const MutTensorRef& dh0) {
+                              const MutTensorRef& dh0, int v_tile) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  if (p.q.dtype == DType::kBFloat16) return launch_reverse_alone<cutlass::bfloat16_t>(p, d_o, dht, dh0);
-  return launch_reverse_alone<cutlass::half_t>(p, d_o, dht, dh0);
+  const bool bf = p.q.dtype == DType::kBFloat16;
+  if (v_tile == 128)
+    return bf ? launch_reverse_alone<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0) : launch_reverse_alone<cutlass::half_t, 2>(p, d_o, dht, dh0);
+  return bf ? launch_reverse_alone<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0) : launch_reverse_alone<cutlass::half_t, 1>(p, d_o, dht, dh0);
 }
 #endif
 

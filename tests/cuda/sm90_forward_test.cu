@@ -45,7 +45,7 @@ void test_print_phases();  // prints the phase timers' records (and clears them)
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 // The fused backward's reverse chain alone (build step 2): d_o and d(final state) in, d(initial state) out.
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
-                                   const qla::MutTensorRef& dh0);
+                                   const qla::MutTensorRef& dh0, int v_tile);  // v_tile 64 or 128
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
 #endif
@@ -781,21 +781,21 @@ static void reference_reverse(const Problem& P, std::vector<double>& dh0) {
     }
 }
 
-static qla::Status run_reverse(const Dev& D) {
+static qla::Status run_reverse(const Dev& D, int v_tile) {
   qla::MutTensorRef dh0;
   dh0.data = D.p.final_state.data;
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-  return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0);
+  return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, v_tile);
 }
 
-static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream) {
+static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int v_tile) {
   Problem P = make_problem(c);
   make_inputs(P, seed);
   Dev D;
   setup(P, D, stream);
   upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
-  qla::Status s = run_reverse(D);
+  qla::Status s = run_reverse(D, v_tile);
   if (!s.ok()) { std::printf("%-34s reverse chain: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   CK(cudaStreamSynchronize(stream));
   std::vector<double> ref;
@@ -818,12 +818,12 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream) {
   const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   bool ok = !nan && e <= 4e-3;  // every gradient's bound
   // Bitwise deterministic: a second identical call.
-  s = run_reverse(D);
+  s = run_reverse(D, v_tile);
   CK(cudaStreamSynchronize(stream));
   CK(cudaMemcpy(h2.data(), D.hT, h2.size() * 4, cudaMemcpyDeviceToHost));
   const bool same = s.ok() && std::memcmp(h.data(), h2.data(), h.size() * 4) == 0;
   ok = ok && same;
-  std::printf("reverse %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e%s%s  %s", c.name.c_str(), (long long)P.N,
+  std::printf("reverse V%-3d %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e%s%s  %s", v_tile, c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, e, nan ? " NaN" : "", same ? "" : " (second call differs)",
               ok ? "ok" : "FAIL");
   if (!ok) std::printf("  (vs transposed ref %.3e)", den > 0 ? std::sqrt(numT / den) : std::sqrt(numT));
@@ -870,18 +870,21 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   Dev D;
   setup(P, D, stream);
   bench_inputs(P, D);
-  qla::Status s = run_reverse(D);
-  if (!s.ok()) { std::printf("bench reverse %s: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return; }
-  CK(cudaStreamSynchronize(stream));
-  const double t = median_ms(stream, 20, [&] { (void)run_reverse(D); });
+  double t[2];
+  for (int vt : {0, 1}) {
+    qla::Status s = run_reverse(D, 64 << vt);
+    if (!s.ok()) { std::printf("bench reverse %s: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return; }
+    CK(cudaStreamSynchronize(stream));
+    t[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt); });
+  }
   const int64_t chunks = (P.c.T + 63) / 64;
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
   const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
   CK(cudaFree(regions));
-  std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: %8.1f us (table + inverse ~%6.1f; chain %.2f us per chunk)\n",
-              c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, t * 1e3, tinv * 1e3,
-              (t - tinv) * 1e3 / double(chunks));
+  std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
+              "%.2f / %.2f us per chunk)\n", c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV,
+              t[0] * 1e3, t[1] * 1e3, tinv * 1e3, (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks));
   free_dev(D);
 }
 #endif
@@ -948,7 +951,7 @@ int main(int argc, char** argv) {
     Dev D;
     setup(P, D, stream);
     bench_inputs(P, D);
-    qla::Status s = run_reverse(D);
+    qla::Status s = run_reverse(D, std::getenv("QLA_TEST_REVERSE_VT128") ? 128 : 64);
     CK(cudaStreamSynchronize(stream));
 #ifdef QLA_FUSED_PROFILE
     qla::sm90::test_print_phases();
@@ -961,7 +964,8 @@ int main(int argc, char** argv) {
   if (do_reverse || do_reverse_bench) {  // the fused backward's reverse chain alone (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     const std::vector<Case> rc = do_reverse ? reverse_cases() : std::vector<Case>{};
-    for (size_t i = 0; i < rc.size(); ++i) ok = check_reverse(rc[i], 7771 + i, stream) && ok;
+    for (int vt : {64, 128})
+      for (size_t i = 0; i < rc.size(); ++i) ok = check_reverse(rc[i], 7771 + i, stream, vt) && ok;
     if (do_reverse_bench) {
       const std::vector<Case> rows = bench_rows();
       for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
