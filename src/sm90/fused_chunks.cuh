@@ -282,8 +282,8 @@ __device__ __forceinline__ void aux_forward_factors(const RecParams& p, uint8_t*
   const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
   const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
   const int et = tu_exp_of<Cfg>(stb);
-  // Y' = S K'^T holds 2^ek Y: Z's gate is e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and X' K' (X' = U' e^(Gamma - gamma)
-  // 2^-et) is S's update. O holds 2^(eq + et) O / scale: W' = A' Tu' with A' = diag(2^eq) A
+  // Y' = S K'^T holds 2^ek Y: Z's gate is e^gamma 2^-ek. U' = Z Tu'^T holds 2^(et - ek) U, and
+  // X' K' (X' = U' e^(Gamma - gamma) 2^-et) is S's update. O holds 2^(eq + et) O / scale: W' = A' Tu' with A' = diag(2^eq) A
   // diag(2^ek) / scale (from Q', K'), so P (2^eq P) takes e^gamma 2^et, and O's way back
   // carries scale. scale stays out of the fp16 scores A', which it would push out of fp16's
   // range (|scale| >~ 3e4: Inf) or into its subnormals (|scale| <~ 1e-4), and into the fp32

@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
       aux_reverse_operands<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
       mbar_arrive(&aready[c % kStages]);
     }
-    QLA_PHASES_PRINT("reverse aux (wait, QK^T issued, Kw, W' issued + QK^T wait, A'' store, Kd' Qg', W' wait, W' store)", 8, nch);
+    QLA_PHASES_PRINT("reverse aux (wait, QK^T issued, Kw, W' issued + QK^T wait, A'' gate, Kd' Qg', W' wait, A'' + W' store)", 8, nch);
     return;
   }
 
