@@ -59,7 +59,7 @@ struct FusedCfg {
   //   way back scale 2^-(eq + et) (see the aux).
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTW = kV + kC * kVT * 2, kTu = kTW;
   static constexpr uint32_t kGates = kTW + 2 * kImgTokTok * 2;
-  static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
+  static constexpr uint32_t kGateCopy = kInvGateCopy;
   static constexpr uint32_t kEgZ = kGates + 1024, kEgP = kEgZ + kC * 4, kInvTok = kEgP + kC * 4;
   static constexpr uint32_t kStageBytes = kGates + 2048;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;

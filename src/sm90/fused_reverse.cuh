@@ -57,7 +57,7 @@ struct RevCfg {
   // the region's gates and exponents (kGateCopy bytes), then D's per-token factors.
   static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu;
   static constexpr uint32_t kW = kTu + kImgTokTok * 2, kGates = kW + kQKBytes;
-  static constexpr uint32_t kGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;
+  static constexpr uint32_t kGateCopy = kInvGateCopy;
   static constexpr uint32_t kTokD = kGates + 1024;
   static constexpr uint32_t kStageBytes = kGates + 2048;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;

@@ -38,6 +38,7 @@ constexpr uint32_t kInvEgk = kInvEg + kC * 4;
 constexpr uint32_t kInvEG = kInvEgk + kC * 4;
 constexpr uint32_t kInvTuExp = kInvEG + 4, kInvKn = kInvEG + 8, kInvKexp = kInvEG + 16, kInvQexp = kInvKexp + kC;
 constexpr uint32_t kInvRegionTail = kInvQexp + kC;  // the last byte K2 copies, plus one
+constexpr uint32_t kInvGateCopy = (kInvRegionTail - kInvGam + 15) & ~15u;  // the bytes from kInvGam a stage copies
 constexpr size_t kInvRegionBytes = 9216;
 static_assert(kInvRegionTail <= kInvRegionBytes && kInvRegionBytes <= 16384, "inverse region over its 16 KiB budget");
 

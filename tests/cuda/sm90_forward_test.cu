@@ -325,6 +325,27 @@ static void free_dev(Dev& D) {
 
 struct Err { double o = 0, h = 0, hT = 0; bool nan = false; };
 
+// A device state buffer h (N x HV matrices of 128 x state_row_pitch(), in the case's layout)
+// against ref ([N, HV, K, V], K x V): relative L2 into e.h, against the transposed reference into
+// e.hT (a diagnostic of layout mix-ups), any non-finite element into e.nan.
+static void state_errors(const Problem& P, const std::vector<float>& h, const std::vector<double>& ref, Err& e) {
+  const Case& c = P.c;
+  const int64_t pitch = state_row_pitch(), mat = 128 * pitch;
+  double num = 0, den = 0, numT = 0;
+  for (int64_t m = 0; m < P.N * c.HV; ++m)
+    for (int a = 0; a < K; ++a)
+      for (int b = 0; b < V; ++b) {
+        const double x = c.layout == StateLayout::kKV ? h[m * mat + a * pitch + b] : h[m * mat + b * pitch + a];
+        const double r = ref[m * K * V + a * V + b], rt = ref[m * K * V + b * V + a];
+        if (!std::isfinite(x)) e.nan = true;
+        num += (x - r) * (x - r);
+        den += r * r;
+        numT += (x - rt) * (x - rt);
+      }
+  e.h = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  e.hT = den > 0 ? std::sqrt(numT / den) : std::sqrt(numT);
+}
+
 static Err compare(const Problem& P, const Dev& D) {
   const Case& c = P.c;
   const int64_t BT = c.B * c.T;
@@ -344,21 +365,7 @@ static Err compare(const Problem& P, const Dev& D) {
     den += ro[i] * ro[i];
   }
   e.o = std::sqrt(num / std::max(den, 1e-300));
-  num = den = 0;
-  double numT = 0;  // diagnostic: distance to the transposed reference (layout mix-ups)
-  for (int64_t m = 0; m < P.N * c.HV; ++m)
-    for (int a = 0; a < K; ++a)
-      for (int b = 0; b < V; ++b) {
-        const double x = c.layout == StateLayout::kKV ? h[m * mat + a * pitch + b] : h[m * mat + b * pitch + a];
-        const double r = rh[m * K * V + a * V + b];
-        if (!std::isfinite(x)) e.nan = true;
-        num += (x - r) * (x - r);
-        den += r * r;
-        const double rt = rh[m * K * V + b * V + a];
-        numT += (x - rt) * (x - rt);
-      }
-  e.h = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  e.hT = den > 0 ? std::sqrt(numT / den) : std::sqrt(numT);
+  state_errors(P, h, rh, e);
   return e;
 }
 
@@ -800,22 +807,12 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   CK(cudaStreamSynchronize(stream));
   std::vector<double> ref;
   reference_reverse(P, ref);
-  const int64_t pitch = state_row_pitch(), mat = 128 * pitch;
-  std::vector<float> h(P.N * c.HV * mat), h2(h.size());
+  std::vector<float> h(P.N * c.HV * 128 * state_row_pitch()), h2(h.size());
   CK(cudaMemcpy(h.data(), D.hT, h.size() * 4, cudaMemcpyDeviceToHost));
-  double num = 0, den = 0, numT = 0;
-  bool nan = false;
-  for (int64_t m = 0; m < P.N * c.HV; ++m)
-    for (int a = 0; a < K; ++a)
-      for (int b = 0; b < V; ++b) {
-        const double x = c.layout == StateLayout::kKV ? h[m * mat + a * pitch + b] : h[m * mat + b * pitch + a];
-        const double r = ref[m * K * V + a * V + b], rt = ref[m * K * V + b * V + a];
-        if (!std::isfinite(x)) nan = true;
-        num += (x - r) * (x - r);
-        den += r * r;
-        numT += (x - rt) * (x - rt);
-      }
-  const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  Err err;
+  state_errors(P, h, ref, err);
+  const double e = err.h;
+  const bool nan = err.nan;
   bool ok = !nan && e <= 4e-3;  // every gradient's bound
   // Bitwise deterministic: a second identical call.
   s = run_reverse(D, v_tile);
@@ -826,7 +823,7 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   std::printf("reverse V%-3d %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e%s%s  %s", v_tile, c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, e, nan ? " NaN" : "", same ? "" : " (second call differs)",
               ok ? "ok" : "FAIL");
-  if (!ok) std::printf("  (vs transposed ref %.3e)", den > 0 ? std::sqrt(numT / den) : std::sqrt(numT));
+  if (!ok) std::printf("  (vs transposed ref %.3e)", err.hT);
   std::printf("\n");
   free_dev(D);
   return ok;
