@@ -580,9 +580,11 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
 // Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
 // section 10, build step 2): the chunk table and the inverse kernel into p.workspace (the fused
 // forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or
-// 128): d_o and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout.
+// 128): d_o and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout;
+// each chunk's fragments for the gradients into grad_frags (kFragRegionBytes per region) unless null.
 template <class T, int kMathWGs>
-Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0) {
+Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
+                            void* grad_frags) {
   using Cfg = RevCfg<kMathWGs>;
   if (num_seqs(p) == 0) return Status::Ok();
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -614,6 +616,7 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
   rp.h0_pool = rp.hT_pool = PoolIndex{};
   rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
   rp.pass = 0;
+  rp.grad_frags = grad_frags;
   gdn_bwd_fused_reverse<T, kMathWGs><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads),
                                                 kDV / Cfg::kVT),
                                        Cfg::kThreads, Cfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
@@ -653,14 +656,17 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions);
   return launch_inverse_alone<cutlass::half_t>(p, regions);
 }
+size_t test_reverse_fragment_region_bytes() { return kFragRegionBytes; }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
-                              const MutTensorRef& dh0, int v_tile) {
+                              const MutTensorRef& dh0, int v_tile, void* grad_frags) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
   const bool bf = p.q.dtype == DType::kBFloat16;
   if (v_tile == 128)
-    return bf ? launch_reverse_alone<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0) : launch_reverse_alone<cutlass::half_t, 2>(p, d_o, dht, dh0);
-  return bf ? launch_reverse_alone<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0) : launch_reverse_alone<cutlass::half_t, 1>(p, d_o, dht, dh0);
+    return bf ? launch_reverse_alone<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0, grad_frags)
+              : launch_reverse_alone<cutlass::half_t, 2>(p, d_o, dht, dh0, grad_frags);
+  return bf ? launch_reverse_alone<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0, grad_frags)
+            : launch_reverse_alone<cutlass::half_t, 1>(p, d_o, dht, dh0, grad_frags);
 }
 #endif
 

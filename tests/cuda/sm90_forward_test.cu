@@ -45,7 +45,9 @@ void test_print_phases();  // prints the phase timers' records (and clears them)
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 // The fused backward's reverse chain alone (build step 2): d_o and d(final state) in, d(initial state) out.
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
-                                   const qla::MutTensorRef& dh0, int v_tile);  // v_tile 64 or 128
+                                   const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
+                                   void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
+size_t test_reverse_fragment_region_bytes();
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
 #endif
@@ -762,16 +764,56 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 // problem serves: v plays d_o (the chain needs no v), h0 plays d(final state), and the final
 // state's buffer (poisoned) receives d(initial state). Per token, last to first:
 // dS += scale q dO^T, then dS = e^g (dS - beta k (k^T dS)); dh0 is what is left.
-static void reference_reverse(const Problem& P, std::vector<double>& dh0) {
+//
+// Per chunk (what the chain leaves for the gradients, fused_reverse.cuh's fragments), by region
+// (first chunk of sequence n: the sum of the earlier sequences' chunk counts; value head inner):
+// dSn, the gradient of the state leaving the chunk ([K][V], dS before the chunk's last token), and
+// dU ([64][V]: dU_j = scale sum_{i >= j} e^(gamma_i - gamma_j) (q_i . k_j) dO_i
+// + e^(Gamma - gamma_j) dSn^T k_j, gamma the gates' sum within the chunk; zero past the end).
+struct ChunkGrads { std::vector<double> dsn, du; };
+static int64_t total_chunks(const Problem& P) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < P.N; ++s) n += (P.cu[s + 1] - P.cu[s] + 63) / 64;
+  return n;
+}
+static void reference_reverse(const Problem& P, std::vector<double>& dh0, ChunkGrads* cg = nullptr) {
   const Case& c = P.c;
   const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
   dh0.assign(P.N * c.HV * K * V, 0.0);
+  if (cg) {
+    cg->dsn.assign(total_chunks(P) * c.HV * K * V, 0.0);
+    cg->du.assign(total_chunks(P) * c.HV * 64 * V, 0.0);
+  }
   std::vector<double> S(K * V), kd(V);
-  for (int64_t n = 0; n < P.N; ++n)
+  int64_t ci0 = 0;
+  for (int64_t n = 0; n < P.N; ++n, ci0 += (P.cu[n] - P.cu[n - 1] + 63) / 64)
     for (int64_t hv = 0; hv < c.HV; ++hv) {
       const int64_t hq = hv / (c.HV / c.H);
       for (int i = 0; i < K * V; ++i) S[i] = c.h0 ? P.h0[(n * c.HV + hv) * K * V + i] : 0.0;
       for (int64_t t = P.cu[n + 1] - 1; t >= P.cu[n]; --t) {
+        const int64_t tl = t - P.cu[n];  // the token within its sequence
+        if (cg && (tl % 64 == 63 || t == P.cu[n + 1] - 1)) {  // the chunk's last token: S is its dSn
+          const int64_t t0 = P.cu[n] + tl / 64 * 64, len = t - t0 + 1;
+          const size_t region = static_cast<size_t>(ci0 + tl / 64) * c.HV + hv;
+          std::copy(S.begin(), S.end(), cg->dsn.begin() + region * K * V);
+          std::vector<double> gam(len);
+          for (int64_t i = 0; i < len; ++i) gam[i] = (i ? gam[i - 1] : 0.0) + P.g[(t0 + i) * c.HV + hv];
+          double* du = &cg->du[region * 64 * V];
+          for (int64_t j = 0; j < len; ++j) {
+            const float* kj = &P.k[((t0 + j) * c.H + hq) * K];
+            const double eGj = std::exp(gam[len - 1] - gam[j]);
+            for (int d = 0; d < K; ++d)
+              for (int x = 0; x < V; ++x) du[j * V + x] += eGj * kj[d] * S[d * V + x];
+            for (int64_t i = j; i < len; ++i) {
+              const float* qi = &P.q[((t0 + i) * c.H + hq) * K];
+              double qk = 0;
+              for (int d = 0; d < K; ++d) qk += double(qi[d]) * kj[d];
+              const double a = scale * std::exp(gam[i] - gam[j]) * qk;
+              const float* dOi = &P.v[((t0 + i) * c.HV + hv) * V];
+              for (int x = 0; x < V; ++x) du[j * V + x] += a * dOi[x];
+            }
+          }
+        }
         const float* q = &P.q[(t * c.H + hq) * K];
         const float* k = &P.k[(t * c.H + hq) * K];
         const float* dO = &P.v[(t * c.HV + hv) * V];
@@ -788,12 +830,57 @@ static void reference_reverse(const Problem& P, std::vector<double>& dh0) {
     }
 }
 
-static qla::Status run_reverse(const Dev& D, int v_tile) {
+static qla::Status run_reverse(const Dev& D, int v_tile, void* frags = nullptr) {
   qla::MutTensorRef dh0;
   dh0.data = D.p.final_state.data;
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-  return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, v_tile);
+  return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, v_tile, frags);
+}
+
+// The chain's fragments (fused_reverse.cuh: per region and 64-row block of v, dSn' then dU' in
+// wgmma fragment order, then esc_v) against the per-chunk reference: relative L2 of dSn and of dU
+// over every region, and whether any decoded element is not finite (the buffer is poisoned with
+// 0x7F bytes: fp16 NaN, and units 2^-2139062143). dU' carries each token's key exponent 2^ek_j,
+// read from the inverse kernel's regions (kexp: [region][64]).
+static void fragment_errors(const Problem& P, const std::vector<uint8_t>& fr, const std::vector<int8_t>& kexp,
+                            const ChunkGrads& cg, double& e_dsn, double& e_du, bool& nan) {
+  const Case& c = P.c;
+  const size_t rb = qla::sm90::test_reverse_fragment_region_bytes(), blk = rb / 2;
+  const size_t regions = static_cast<size_t>(total_chunks(P) * c.HV);
+  double n0 = 0, d0 = 0, n1 = 0, d1 = 0;
+  nan = false;
+  auto half = [](const uint8_t* b) {
+    uint16_t h;
+    std::memcpy(&h, b, 2);
+    return double(from16(h, DType::kFloat16));
+  };
+  for (size_t r = 0; r < regions; ++r)
+    for (int b = 0; b < 2; ++b) {
+      const uint8_t* base = fr.data() + r * rb + b * blk;
+      const int32_t* esc = reinterpret_cast<const int32_t*>(base + 64 * K * 2 + 64 * 64 * 2);
+      for (int t = 0; t < 128; ++t)
+        for (int idx = 0; idx < 64; ++idx) {  // accumulator element idx of thread t: (row, col)
+          const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((idx / 2) % 2), col = 8 * (idx / 4) + 2 * (t % 4) + idx % 2;
+          const int v = 64 * b + row;
+          const double u = std::ldexp(1.0, -esc[row]);
+          const double x = half(base + 2048 * (idx / 8) + 16 * t + 2 * (idx % 8)) * u;
+          const double ref = cg.dsn[(r * K + col) * V + v];
+          nan = nan || !std::isfinite(x);
+          n0 += (x - ref) * (x - ref);
+          d0 += ref * ref;
+          if (idx < 32) {
+            const double y = half(base + 64 * K * 2 + 2048 * (idx / 8) + 16 * t + 2 * (idx % 8)) * u *
+                             std::ldexp(1.0, -kexp[r * 64 + col]);
+            const double ry = cg.du[(r * 64 + col) * V + v];
+            nan = nan || !std::isfinite(y);
+            n1 += (y - ry) * (y - ry);
+            d1 += ry * ry;
+          }
+        }
+    }
+  e_dsn = std::sqrt(n0 / std::max(d0, 1e-300));
+  e_du = std::sqrt(n1 / std::max(d1, 1e-300));
 }
 
 static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int v_tile) {
@@ -802,27 +889,51 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   Dev D;
   setup(P, D, stream);
   upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
-  qla::Status s = run_reverse(D, v_tile);
+  const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * c.HV));
+  const size_t frag_bytes = regions * qla::sm90::test_reverse_fragment_region_bytes();
+  void* frags = nullptr;
+  CK(cudaMalloc(&frags, frag_bytes));
+  CK(cudaMemset(frags, 0x7F, frag_bytes));
+  qla::Status s = run_reverse(D, v_tile, frags);
   if (!s.ok()) { std::printf("%-34s reverse chain: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   CK(cudaStreamSynchronize(stream));
+  std::vector<uint8_t> fr(frag_bytes), fr2(frag_bytes);
+  CK(cudaMemcpy(fr.data(), frags, frag_bytes, cudaMemcpyDeviceToHost));
+  // The keys' exponents: the inverse kernel again, into its own buffer (deterministic).
+  const size_t rgb = qla::sm90::test_inverse_region_bytes();
+  void* dreg = nullptr;
+  CK(cudaMalloc(&dreg, regions * rgb));
+  CK(qla::sm90::test_run_inverse(D.p, dreg).ok() ? cudaSuccess : cudaErrorUnknown);
+  std::vector<uint8_t> reg(regions * rgb);
+  CK(cudaMemcpy(reg.data(), dreg, reg.size(), cudaMemcpyDeviceToHost));
+  CK(cudaFree(dreg));
+  std::vector<int8_t> kexp(regions * 64);
+  for (size_t r = 0; r < regions; ++r) std::memcpy(&kexp[r * 64], &reg[r * rgb + qla::sm90::kInvKexp], 64);
   std::vector<double> ref;
-  reference_reverse(P, ref);
+  ChunkGrads cg;
+  reference_reverse(P, ref, &cg);
+  double e_dsn = 0, e_du = 0;
+  bool frag_nan = false;
+  if (total_chunks(P) > 0) fragment_errors(P, fr, kexp, cg, e_dsn, e_du, frag_nan);
   std::vector<float> h(P.N * c.HV * 128 * state_row_pitch()), h2(h.size());
   CK(cudaMemcpy(h.data(), D.hT, h.size() * 4, cudaMemcpyDeviceToHost));
   Err err;
   state_errors(P, h, ref, err);
   const double e = err.h;
   const bool nan = err.nan;
-  bool ok = !nan && e <= 4e-3;  // every gradient's bound
+  // dh0 and the fragments (intermediates of the gradients) at every gradient's bound.
+  bool ok = !nan && !frag_nan && e <= 4e-3 && e_dsn <= 4e-3 && e_du <= 4e-3;
   // Bitwise deterministic: a second identical call.
-  s = run_reverse(D, v_tile);
+  s = run_reverse(D, v_tile, frags);
   CK(cudaStreamSynchronize(stream));
   CK(cudaMemcpy(h2.data(), D.hT, h2.size() * 4, cudaMemcpyDeviceToHost));
-  const bool same = s.ok() && std::memcmp(h.data(), h2.data(), h.size() * 4) == 0;
+  CK(cudaMemcpy(fr2.data(), frags, frag_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaFree(frags));
+  const bool same = s.ok() && std::memcmp(h.data(), h2.data(), h.size() * 4) == 0 && fr == fr2;
   ok = ok && same;
-  std::printf("reverse V%-3d %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e%s%s  %s", v_tile, c.name.c_str(), (long long)P.N,
-              (long long)P.c.T, (long long)c.H, (long long)c.HV, e, nan ? " NaN" : "", same ? "" : " (second call differs)",
-              ok ? "ok" : "FAIL");
+  std::printf("reverse V%-3d %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e dSn %.3e dU %.3e%s%s  %s", v_tile,
+              c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, e, e_dsn, e_du,
+              nan || frag_nan ? " NaN" : "", same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
   if (!ok) std::printf("  (vs transposed ref %.3e)", err.hT);
   std::printf("\n");
   free_dev(D);
@@ -867,21 +978,26 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   Dev D;
   setup(P, D, stream);
   bench_inputs(P, D);
-  double t[2];
+  const int64_t chunks = (P.c.T + 63) / 64;
+  void* frags = nullptr;  // the chain's fragments for the gradients, stored in a second timing
+  CK(cudaMalloc(&frags, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_reverse_fragment_region_bytes()));
+  double t[2], tf[2];
   for (int vt : {0, 1}) {
     qla::Status s = run_reverse(D, 64 << vt);
     if (!s.ok()) { std::printf("bench reverse %s: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return; }
     CK(cudaStreamSynchronize(stream));
     t[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt); });
+    tf[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt, frags); });
   }
-  const int64_t chunks = (P.c.T + 63) / 64;
+  CK(cudaFree(frags));
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
   const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
   CK(cudaFree(regions));
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
-              "%.2f / %.2f us per chunk)\n", c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV,
-              t[0] * 1e3, t[1] * 1e3, tinv * 1e3, (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks));
+              "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f)\n", c.name.c_str(), (long long)P.N,
+              (long long)P.c.T, (long long)c.H, (long long)c.HV, t[0] * 1e3, t[1] * 1e3, tinv * 1e3,
+              (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3);
   free_dev(D);
 }
 #endif
