@@ -563,6 +563,46 @@ __device__ __forceinline__ void stage_o_trans(const Acc& acc, const int (&esc)[2
   }
 }
 
+// The backward's chunk operands (docs/backward.md section 10, build step 3), when
+// RecParams::grad_frags is set: per (chunk, value head) region and 64-row block of v (v / 64), an
+// fp16 operand of the chunk as a math warpgroup holds it, in wgmma fragment order (element group
+// i, 8 values, of math thread t at 2048 i + 16 t: one coalesced 16-byte store each, and a reader
+// with the same thread layout gets the accumulator-ordered fragments back), with its row units:
+//   S'   = R_v S^T (64 v x 128 d; S the state entering the chunk): the lean kernel's states role,
+//   dSn' = R_v dSn^T (64 v x 128 d; dSn the gradient of the state leaving the chunk) and
+//   dU'  = R_v dU^T diag(2^ek) (64 v x 64 tokens; zero past the sequence's end): the reverse
+//          chain (fused_reverse.cuh), dSn' and dU' in the same units,
+//   each units array esc_v int32 x 64 (R_v = 2^esc_v for the block's row v).
+constexpr uint32_t kFragS = 0, kFragEscS = kFragS + 64 * kDK * 2;
+constexpr uint32_t kFragDSn = kFragEscS + 64 * 4, kFragDU = kFragDSn + 64 * kDK * 2, kFragEsc = kFragDU + 64 * kC * 2;
+constexpr uint32_t kFragBlockBytes = kFragEsc + 64 * 4;
+constexpr size_t kFragRegionBytes = size_t(kDV / 64) * kFragBlockBytes;
+
+// The fragments of an accumulator-ordered fp16 register tensor (8 k values each) to dst, and the
+// row units of this thread's two rows (row0 and row0 + 8) to esc_dst (one thread of each quad).
+template <class R16>
+__device__ __forceinline__ void store_fragments(const R16& r16, uint8_t* dst, int wt, int* esc_dst, int row0,
+                                                const int (&esc)[2]) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(r16) / 8; ++i) {
+    uint32_t u[4];
+    CUTE_UNROLL
+    for (int j = 0; j < 4; ++j)
+      u[j] = static_cast<uint32_t>(r16(8 * i + 2 * j).raw()) | (static_cast<uint32_t>(r16(8 * i + 2 * j + 1).raw()) << 16);
+    *reinterpret_cast<uint4*>(dst + 2048u * i + 16u * wt) = make_uint4(u[0], u[1], u[2], u[3]);
+  }
+  if (esc_dst && (wt & 3) == 0) {
+    esc_dst[row0] = esc[0];
+    esc_dst[row0 + 8] = esc[1];
+  }
+}
+
+// The fragment block of (region, the 64 rows of v from v0), or null.
+__device__ __forceinline__ uint8_t* frag_block(const RecParams& p, size_t region, int v0) {
+  return p.grad_frags ? static_cast<uint8_t*>(p.grad_frags) + region * kFragRegionBytes + (v0 / 64) * kFragBlockBytes
+                      : nullptr;
+}
+
 // Nothing to do for this CTA: padding past the last piece or sequence, or malformed device
 // cu_seqlens (then pass 0 fills the outputs with NaN).
 template <class T>
@@ -773,6 +813,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
     if constexpr (kLean) {
+      // The backward's states pass (RecParams::grad_frags): the state entering each chunk that
+      // has o, S' = rS16 in its row units, before the first product reads the registers.
+      if (role.out && c >= nwarm)
+        if (uint8_t* fb = frag_block(p, static_cast<size_t>(tile.ci0 + c0 + c) * p.HV + hv, v0))
+          store_fragments(rS16, fb + kFragS, wt, reinterpret_cast<int*>(fb + kFragEscS), get<0>(cS(0)), esc);
       // Y^T = S^T K^T, Z^T = V^T - Y^T diag(e^gamma), U^T = Z^T Tu^T (N = 64 each: K's and Tu's
       // rows of the stacked operands), X^T = U^T diag(e^(Gamma - gamma)), S^T = e^Gamma S^T + X^T K.
       auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});

@@ -28,8 +28,9 @@
 //         dS'  = f e^Gamma dS' + D Qg' + dU' W'                   (64 x 128, k = 64 + 64)
 //       with dSn' the fp16 copy of dS'^T leaving the chunk and f the change of units. The chain
 //       is the dU' product, its fp16 copy and the W' product; D Qg' runs under the first.
-//       With RecParams::grad_frags set, dSn', dU' and the row units also go to memory, for the
-//       chunk-parallel gradients kernel (the kFrag* layout below; docs/backward.md section 10).
+//       With RecParams::grad_frags set, dSn', dU' and their row units also go to memory, for the
+//       chunk-parallel gradients kernel (fused_chunks.cuh's kFrag* layout; docs/backward.md
+//       section 10).
 #pragma once
 
 #include "fused_chunks.cuh"
@@ -77,32 +78,6 @@ __device__ __forceinline__ void set_role_registers() {
 }
 
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
-
-// What the chain leaves for the gradients kernel (build step 3, docs/backward.md section 10), when
-// RecParams::grad_frags is set: per (chunk, value head) region, per 64-row block of v (v / 64), the
-// chunk's two fp16 operands as the math warpgroup holds them, in wgmma fragment order (element
-// group i, 8 values, of math thread t at 2048 i + 16 t: one coalesced 16-byte store each, and a
-// reader with the same thread layout gets the accumulator-ordered fragments back), and their row
-// units:
-//   dSn' = R_v dSn^T (64 v x 128 d; dSn the gradient of the state leaving the chunk),
-//   dU'  = R_v dU^T diag(2^ek) (64 v x 64 tokens; zero past the sequence's end),
-//   esc_v, int32 x 64 (R_v = 2^esc_v for the block's row v).
-constexpr uint32_t kFragDSn = 0, kFragDU = kFragDSn + 64 * kDK * 2, kFragEsc = kFragDU + 64 * kC * 2;
-constexpr uint32_t kFragBlockBytes = kFragEsc + 64 * 4;
-constexpr size_t kFragRegionBytes = size_t(kDV / 64) * kFragBlockBytes;
-
-// The fragments of an accumulator-ordered fp16 register tensor (8 k values each) to dst.
-template <class R16>
-__device__ __forceinline__ void store_fragments(const R16& r16, uint8_t* dst, int wt) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(r16) / 8; ++i) {
-    uint32_t u[4];
-    CUTE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      u[j] = static_cast<uint32_t>(r16(8 * i + 2 * j).raw()) | (static_cast<uint32_t>(r16(8 * i + 2 * j + 1).raw()) << 16);
-    *reinterpret_cast<uint4*>(dst + 2048u * i + 16u * wt) = make_uint4(u[0], u[1], u[2], u[3]);
-  }
-}
 
 // The aux's operands of one chunk (see the top of this file), from the raw 16-bit K|Q tile (type
 // T) as it landed: one read of each run for Kw, one for Kd' and Qg' (written in place), the
@@ -365,17 +340,8 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
 
     // The gradients' copy of dSn' and its units (before the product: a wgmma's register operand
     // may not be read while it runs).
-    uint8_t* frags = p.grad_frags ? static_cast<uint8_t*>(p.grad_frags) + role_region(c) * kFragRegionBytes +
-                                        (v0 / 64) * kFragBlockBytes
-                                  : nullptr;
-    if (frags) {
-      store_fragments(rS16, frags + kFragDSn, wt);
-      if ((wt & 3) == 0) {
-        int* e = reinterpret_cast<int*>(frags + kFragEsc);
-        e[get<0>(cS(0))] = esc[0];
-        e[get<0>(cS(2))] = esc[1];
-      }
-    }
+    uint8_t* frags = frag_block(p, role_region(c), v0);
+    if (frags) store_fragments(rS16, frags + kFragDSn, wt, reinterpret_cast<int*>(frags + kFragEsc), get<0>(cS(0)), esc);
     // dU' = D A'' + dSn' Kd'^T.
     Tensor rA2 = thrA.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_MN{}));
     Tensor rKd = thrU.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_K{}), Shape<_64, _128>{}, make_coord(0, 0)));
@@ -400,7 +366,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     warpgroup_fence_operand(accU);
     CUTE_UNROLL
     for (int i = 0; i < size(accU); ++i) rU16(i) = H(accU(i));
-    if (frags) store_fragments(rU16, frags + kFragDU, wt);  // the gradients' copy
+    if (frags) store_fragments(rU16, frags + kFragDU, wt, nullptr, 0, esc);  // the gradients' copy
     QLA_PHASE(3);
     Tensor rW = thrS.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kW)), typename LH::DTok_MN{}));
     warpgroup_fence_operand(rU16);

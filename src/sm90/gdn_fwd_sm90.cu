@@ -582,6 +582,53 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
 // forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or
 // 128): d_o and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout;
 // each chunk's fragments for the gradients into grad_frags (kFragRegionBytes per region) unless null.
+// Test builds: the chunk table and the inverse kernel into p.workspace (the fused forward's unsplit
+// layout), then the arguments of a whole-sequence pass over them, v_map's tensor in V's slot.
+template <class T>
+Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp) {
+  SplitChoice sc;
+  sc.fused = true;
+  const WsLayout wl = ws_layout(p, sc);
+  Status s = check_workspace("sm90 backward pass (test)", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  int* table = reinterpret_cast<int*>(ws + wl.table);
+  void* regions = ws + wl.regions;
+  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
+  if (!s.ok()) return s;
+  CUtensorMap tmq, tmk, tmv;
+  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmv, v_map, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
+  rp = rec_params(p, tmq, tmk, seq_desc(p), table, regions);
+  rp.tmv = tmv;
+  rp.scale = static_cast<float>(p.scale);
+  rp.pass = 0;
+  return Status::Ok();
+}
+
+// Test builds only: the backward's states pass (build step 3): the lean kernel over whole
+// sequences, no o, each chunk's entering state into grad_frags (kFragS; kFragRegionBytes per
+// region), the final state into p.final_state.
+template <class T>
+Status launch_states_alone(const GdnForwardParams& p, void* grad_frags) {
+  if (num_seqs(p) == 0) return Status::Ok();
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FusedCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
+  RecParams rp;
+  Status s = test_pass_params<T>(p, p.v, rp);
+  if (!s.ok()) return s;
+  rp.o = nullptr;
+  rp.tiles_log2 = 1;
+  rp.grad_frags = grad_frags;
+  gdn_fwd_chunks<T, 1, true><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads), 2),
+                               FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks (states)");
+  return Status::Ok();
+}
+
 template <class T, int kMathWGs>
 Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
                             void* grad_frags) {
@@ -590,32 +637,15 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  SplitChoice sc;
-  sc.fused = true;
-  const WsLayout wl = ws_layout(p, sc);
-  Status s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, wl.total);
+  RecParams rp;
+  Status s = test_pass_params<T>(p, d_o, rp);
   if (!s.ok()) return s;
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  int* table = reinterpret_cast<int*>(ws + wl.table);
-  void* regions = ws + wl.regions;
-  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
-  if (!s.ok()) return s;
-  CUtensorMap tmq, tmk, tmdo;
-  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmdo, d_o, p.shape.num_v_heads, p.shape);
-  if (!s.ok()) return s;
-  const SeqDesc sd = seq_desc(p);
-  RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
-  rp.tmv = tmdo;
-  rp.scale = static_cast<float>(p.scale);
   rp.o = nullptr;
   rp.h0 = static_cast<const float*>(dht.data);
   rp.hT = static_cast<float*>(dh0.data);
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
   rp.h0_pool = rp.hT_pool = PoolIndex{};
   rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
-  rp.pass = 0;
   rp.grad_frags = grad_frags;
   gdn_bwd_fused_reverse<T, kMathWGs><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads),
                                                 kDV / Cfg::kVT),
@@ -656,7 +686,16 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions) {
   if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions);
   return launch_inverse_alone<cutlass::half_t>(p, regions);
 }
-size_t test_reverse_fragment_region_bytes() { return kFragRegionBytes; }
+size_t test_fragment_layout(int i) {
+  const size_t v[] = {kFragS, kFragEscS, kFragDSn, kFragDU, kFragEsc, kFragBlockBytes, kFragRegionBytes};
+  return v[i];
+}
+Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags) {
+  Status s = check_supported(p);
+  if (!s.ok()) return s;
+  return p.q.dtype == DType::kBFloat16 ? launch_states_alone<cutlass::bfloat16_t>(p, grad_frags)
+                                       : launch_states_alone<cutlass::half_t>(p, grad_frags);
+}
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {
   Status s = check_supported(p);

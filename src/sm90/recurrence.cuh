@@ -59,8 +59,9 @@ struct RecParams {
   // state from this copy of h0 (made by the scan, per piece-0 map index and value head, [K][V]),
   // since its last piece writes the final state into that memory in the same launch.
   float* h0_copy;
-  // The fused backward's reverse chain (fused_reverse.cuh): where it leaves each chunk's dSn' and
-  // dU' fragments and their row units for the gradients kernel (null: it leaves none).
+  // The backward's chunk operands for the gradients kernel (fused_chunks.cuh's kFrag* layout;
+  // null: none stored): the lean kernel's states role leaves each chunk's entering state there,
+  // the reverse chain (fused_reverse.cuh) its dSn' and dU'.
   void* grad_frags;
 };
 

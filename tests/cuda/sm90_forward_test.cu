@@ -47,7 +47,12 @@ qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
-size_t test_reverse_fragment_region_bytes();
+// The backward's states pass (build step 3): each chunk's entering state into grad_frags, the
+// final state into p.final_state.
+qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags);
+// The chunk operands' layout (fused_chunks.cuh): offsets of S', its units, dSn', dU', their units;
+// the block's bytes, the region's bytes.
+size_t test_fragment_layout(int i);
 } }
 #include "../../src/sm90/inverse.cuh"  // the inverse region's layout (host-side offsets and constants)
 #endif
@@ -162,17 +167,30 @@ static void make_inputs(Problem& P, uint64_t seed) {
 }
 
 // fp64 token-by-token reference. o: [B*T, HV, V], hT: [N, HV, K, V] (always kKV here).
-static void reference(const Problem& P, std::vector<double>& o, std::vector<double>& hT) {
+// With chunk_S set, also the state entering every chunk ([region][K][V], regions as
+// reference_reverse's below).
+// Chunks over all sequences (the chunk table's count).
+static int64_t total_chunks(const Problem& P) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < P.N; ++s) n += (P.cu[s + 1] - P.cu[s] + 63) / 64;
+  return n;
+}
+static void reference(const Problem& P, std::vector<double>& o, std::vector<double>& hT,
+                      std::vector<double>* chunk_S = nullptr) {
   const Case& c = P.c;
   const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
   o.assign(c.B * c.T * c.HV * V, 0.0);
   hT.assign(P.N * c.HV * K * V, 0.0);
+  if (chunk_S) chunk_S->assign(total_chunks(P) * c.HV * K * V, 0.0);
   std::vector<double> S(K * V), ks(V);
-  for (int64_t n = 0; n < P.N; ++n)
+  int64_t ci0 = 0;
+  for (int64_t n = 0; n < P.N; ++n, ci0 += (P.cu[n] - P.cu[n - 1] + 63) / 64)
     for (int64_t hv = 0; hv < c.HV; ++hv) {
       const int64_t hq = hv / (c.HV / c.H);
       for (int i = 0; i < K * V; ++i) S[i] = c.h0 ? P.h0[(n * c.HV + hv) * K * V + i] : 0.0;
       for (int64_t t = P.cu[n]; t < P.cu[n + 1]; ++t) {
+        if (chunk_S && (t - P.cu[n]) % 64 == 0)
+          std::copy(S.begin(), S.end(), chunk_S->begin() + ((ci0 + (t - P.cu[n]) / 64) * c.HV + hv) * K * V);
         const float* q = &P.q[(t * c.H + hq) * K];
         const float* k = &P.k[(t * c.H + hq) * K];
         const float* v = &P.v[(t * c.HV + hv) * V];
@@ -771,11 +789,6 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 // dU ([64][V]: dU_j = scale sum_{i >= j} e^(gamma_i - gamma_j) (q_i . k_j) dO_i
 // + e^(Gamma - gamma_j) dSn^T k_j, gamma the gates' sum within the chunk; zero past the end).
 struct ChunkGrads { std::vector<double> dsn, du; };
-static int64_t total_chunks(const Problem& P) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < P.N; ++s) n += (P.cu[s + 1] - P.cu[s] + 63) / 64;
-  return n;
-}
 static void reference_reverse(const Problem& P, std::vector<double>& dh0, ChunkGrads* cg = nullptr) {
   const Case& c = P.c;
   const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
@@ -838,49 +851,59 @@ static qla::Status run_reverse(const Dev& D, int v_tile, void* frags = nullptr) 
   return qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, v_tile, frags);
 }
 
-// The chain's fragments (fused_reverse.cuh: per region and 64-row block of v, dSn' then dU' in
-// wgmma fragment order, then esc_v) against the per-chunk reference: relative L2 of dSn and of dU
-// over every region, and whether any decoded element is not finite (the buffer is poisoned with
-// 0x7F bytes: fp16 NaN, and units 2^-2139062143). dU' carries each token's key exponent 2^ek_j,
-// read from the inverse kernel's regions (kexp: [region][64]).
+// The backward's chunk operands (fused_chunks.cuh's kFrag* layout: per region and 64-row block of
+// v, fp16 operands in wgmma fragment order with int32 row units), decoded on the host. Element
+// idx of math thread t holds (row, col) of the block's operand, as a 64 x N wgmma accumulator.
+struct FragRef {
+  const std::vector<uint8_t>& fr;
+  size_t at(size_t region, int block, int which) const {
+    return region * qla::sm90::test_fragment_layout(6) + block * qla::sm90::test_fragment_layout(5) +
+           qla::sm90::test_fragment_layout(which);
+  }
+  // fn(row v of the value head, col, value in the operand's row units removed)
+  template <class F>
+  void each(size_t region, int which, int esc_which, int ncols, F fn) const {
+    for (int b = 0; b < 2; ++b) {
+      const uint8_t* base = fr.data() + at(region, b, which);
+      const int32_t* esc = reinterpret_cast<const int32_t*>(fr.data() + at(region, b, esc_which));
+      for (int t = 0; t < 128; ++t)
+        for (int idx = 0; idx < ncols / 2; ++idx) {
+          const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((idx / 2) % 2), col = 8 * (idx / 4) + 2 * (t % 4) + idx % 2;
+          uint16_t h;
+          std::memcpy(&h, base + 2048 * (idx / 8) + 16 * t + 2 * (idx % 8), 2);
+          fn(64 * b + row, col, double(from16(h, DType::kFloat16)) * std::ldexp(1.0, -esc[row]));
+        }
+    }
+  }
+};
+
+// Relative L2 of a decoded operand against its reference, and whether any element is not
+// finite. The buffers are poisoned with 0x7F bytes: fp16 NaN, and units 2^-2139062143 (zeros).
+struct L2 {
+  double num = 0, den = 0;
+  bool nan = false;
+  void add(double x, double ref) {
+    nan = nan || !std::isfinite(x);
+    num += (x - ref) * (x - ref);
+    den += ref * ref;
+  }
+  double rel() const { return std::sqrt(num / std::max(den, 1e-300)); }
+};
+
+// The reverse chain's dSn' and dU' against the per-chunk reference. dU' carries each token's key
+// exponent 2^ek_j, read from the inverse kernel's regions (kexp: [region][64]).
 static void fragment_errors(const Problem& P, const std::vector<uint8_t>& fr, const std::vector<int8_t>& kexp,
                             const ChunkGrads& cg, double& e_dsn, double& e_du, bool& nan) {
   const Case& c = P.c;
-  const size_t rb = qla::sm90::test_reverse_fragment_region_bytes(), blk = rb / 2;
-  const size_t regions = static_cast<size_t>(total_chunks(P) * c.HV);
-  double n0 = 0, d0 = 0, n1 = 0, d1 = 0;
-  nan = false;
-  auto half = [](const uint8_t* b) {
-    uint16_t h;
-    std::memcpy(&h, b, 2);
-    return double(from16(h, DType::kFloat16));
-  };
-  for (size_t r = 0; r < regions; ++r)
-    for (int b = 0; b < 2; ++b) {
-      const uint8_t* base = fr.data() + r * rb + b * blk;
-      const int32_t* esc = reinterpret_cast<const int32_t*>(base + 64 * K * 2 + 64 * 64 * 2);
-      for (int t = 0; t < 128; ++t)
-        for (int idx = 0; idx < 64; ++idx) {  // accumulator element idx of thread t: (row, col)
-          const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((idx / 2) % 2), col = 8 * (idx / 4) + 2 * (t % 4) + idx % 2;
-          const int v = 64 * b + row;
-          const double u = std::ldexp(1.0, -esc[row]);
-          const double x = half(base + 2048 * (idx / 8) + 16 * t + 2 * (idx % 8)) * u;
-          const double ref = cg.dsn[(r * K + col) * V + v];
-          nan = nan || !std::isfinite(x);
-          n0 += (x - ref) * (x - ref);
-          d0 += ref * ref;
-          if (idx < 32) {
-            const double y = half(base + 64 * K * 2 + 2048 * (idx / 8) + 16 * t + 2 * (idx % 8)) * u *
-                             std::ldexp(1.0, -kexp[r * 64 + col]);
-            const double ry = cg.du[(r * 64 + col) * V + v];
-            nan = nan || !std::isfinite(y);
-            n1 += (y - ry) * (y - ry);
-            d1 += ry * ry;
-          }
-        }
-    }
-  e_dsn = std::sqrt(n0 / std::max(d0, 1e-300));
-  e_du = std::sqrt(n1 / std::max(d1, 1e-300));
+  const FragRef F{fr};
+  L2 a, b;
+  for (size_t r = 0; r < static_cast<size_t>(total_chunks(P) * c.HV); ++r) {
+    F.each(r, 2, 4, K, [&](int v, int d, double x) { a.add(x, cg.dsn[(r * K + d) * V + v]); });
+    F.each(r, 3, 4, 64, [&](int v, int j, double x) { b.add(x * std::ldexp(1.0, -kexp[r * 64 + j]), cg.du[(r * 64 + j) * V + v]); });
+  }
+  e_dsn = a.rel();
+  e_du = b.rel();
+  nan = a.nan || b.nan;
 }
 
 static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int v_tile) {
@@ -890,7 +913,7 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   setup(P, D, stream);
   upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
   const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * c.HV));
-  const size_t frag_bytes = regions * qla::sm90::test_reverse_fragment_region_bytes();
+  const size_t frag_bytes = regions * qla::sm90::test_fragment_layout(6);
   void* frags = nullptr;
   CK(cudaMalloc(&frags, frag_bytes));
   CK(cudaMemset(frags, 0x7F, frag_bytes));
@@ -940,6 +963,50 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   return ok;
 }
 
+// The backward's states pass (the lean kernel's states role): each chunk's entering state S'
+// against the fp64 forward's, and the final state; poisoned buffers, bitwise repeatable.
+static bool check_states(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);
+  const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * c.HV));
+  const size_t frag_bytes = regions * qla::sm90::test_fragment_layout(6);
+  void* frags = nullptr;
+  CK(cudaMalloc(&frags, frag_bytes));
+  CK(cudaMemset(frags, 0x7F, frag_bytes));
+  std::vector<uint8_t> fr(frag_bytes), fr2(frag_bytes);
+  qla::Status s = qla::sm90::test_run_states_pass(D.p, frags);
+  if (!s.ok()) { std::printf("%-34s states pass: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaMemcpy(fr.data(), frags, frag_bytes, cudaMemcpyDeviceToHost));
+  std::vector<float> h(P.N * c.HV * 128 * state_row_pitch());
+  CK(cudaMemcpy(h.data(), D.hT, h.size() * 4, cudaMemcpyDeviceToHost));
+  s = qla::sm90::test_run_states_pass(D.p, frags);
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaMemcpy(fr2.data(), frags, frag_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaFree(frags));
+  std::vector<double> o, hT, cs;
+  reference(P, o, hT, &cs);
+  Err err;
+  state_errors(P, h, hT, err);
+  L2 e;
+  const FragRef F{fr};
+  for (size_t r = 0; r < static_cast<size_t>(total_chunks(P) * c.HV); ++r)
+    F.each(r, 0, 1, K, [&](int v, int d, double x) { e.add(x, cs[(r * K + d) * V + v]); });
+  const bool same = s.ok() && fr == fr2;
+  // The entering states of sequences without h0 start at zero: e.den may be 0 only if no chunk
+  // has a non-zero state (then e.num must be too).
+  const double es = e.den > 0 ? e.rel() : std::sqrt(e.num);
+  const bool ok = !err.nan && !e.nan && err.h <= 3e-3 && es <= 3e-3 && same;
+  std::printf("states %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  S %.3e final %.3e%s%s  %s\n", c.name.c_str(),
+              (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, es, err.h, err.nan || e.nan ? " NaN" : "",
+              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  free_dev(D);
+  return ok;
+}
+
 static std::vector<Case> reverse_cases() {
   std::vector<Case> r;
   auto add = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) -> Case& {
@@ -980,7 +1047,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   bench_inputs(P, D);
   const int64_t chunks = (P.c.T + 63) / 64;
   void* frags = nullptr;  // the chain's fragments for the gradients, stored in a second timing
-  CK(cudaMalloc(&frags, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_reverse_fragment_region_bytes()));
+  CK(cudaMalloc(&frags, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
   double t[2], tf[2];
   for (int vt : {0, 1}) {
     qla::Status s = run_reverse(D, 64 << vt);
@@ -1005,6 +1072,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
+  bool do_states = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
   for (int i = 1; i < argc; ++i) {
@@ -1018,6 +1086,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--reverse") do_reverse = true;
+    if (std::string(argv[i]) == "--states") do_states = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
   }
@@ -1074,6 +1143,18 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
+  if (do_states) {  // the backward's states pass (test builds), on the reverse chain's cases
+#ifdef QLA_SM90_TEST_HOOKS
+    const std::vector<Case> rc = reverse_cases();
+    for (size_t i = 0; i < rc.size(); ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
+#else
+    std::printf("--states needs a build with -DQLA_SM90_TEST_HOOKS\n");
+    ok = false;
+#endif
+    CK(cudaStreamDestroy(stream));
+    std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
+    return ok ? 0 : 1;
+  }
   if (do_reverse || do_reverse_bench) {  // the fused backward's reverse chain alone (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     const std::vector<Case> rc = do_reverse ? reverse_cases() : std::vector<Case>{};
