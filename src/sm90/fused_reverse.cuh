@@ -13,16 +13,17 @@
 // Tu' = 2^et diag(2^-ek) Tu, and one unit R_v = 2^esc_v per row of dS^T, kept so that
 // max(|dSn^T row| , |D row|) lies in [2^2, 2^6).
 //
-// One CTA per (sequence, value head, V tile of 64 or 128), 2 + kMathWGs warpgroups:
+// One CTA per (sequence, value head, V tile of 64 or 128), 1 + kAuxWGs + kMathWGs warpgroups:
 //   WG0 warp 0, producer (one thread): produce_chunk as in the forward, the dO tile in V's slot
 //       (d_o's tensor map in RecParams::tmv), the chunks in reverse order, into a ring of kStages.
-//   WG1 aux, a chunk ahead of the chain, from the raw 16-bit K|Q tile (aux_reverse_operands):
+//   aux, a chunk ahead of the chain, from the raw 16-bit K|Q tile (RevAux's steps; at V tile 64
+//       two warpgroups share them, A the scores and the in-place pass, B Kw and W'):
 //         A''  = e^(gamma_i - gamma_j) 2^(eq_i + ek_j) q_i.k_j (i >= j, i < len), an fp16 image;
 //         Kw   = diag(e^gamma) K into W''s buffer, then over it
 //         W'   = -2^-et Tu' Kw (= -diag(2^-ek) W, negated: the math warpgroup accumulates);
 //         Kd'  = diag(e^(Gamma - gamma) 2^ek) K and Qg' = diag(e^gamma 2^eq) Q in place;
 //         D's per-token factors scale 2^-eq (zero past the sequence's end).
-//   WG2.. math, 64 v rows of dS^T each (fp32 wgmma accumulators, row v in units R_v); per chunk
+//   math, 64 v rows of dS^T each (fp32 wgmma accumulators, row v in units R_v); per chunk
 //         D    = fp16(R_v scale 2^-eq_i dO^T)                     (registers; dO^T by ldmatrix.trans)
 //         dU'  = D A'' + dSn' Kd'^T         (64 x 64, k = 64 + 128; it holds R_v 2^ek_j dU^T)
 //         dS'  = f e^Gamma dS' + D Qg' + dU' W'                   (64 x 128, k = 64 + 64)
@@ -40,32 +41,37 @@ namespace sm90 {
 namespace {
 
 // kMathWGs math warpgroups of 64 v rows each: V tile 64 (one) or 128 (two, sharing every load and
-// the aux's work, as the forward's FusedCfg).
+// the aux's work, as the forward's FusedCfg). V tile 64 splits the aux's work between two
+// warpgroups (its step was the aux's: bwd-9, bwd-10 in docs/design.md); V tile 128 has the
+// registers for one.
 template <int kMathWGs_>
 struct RevCfg {
   static constexpr int kMathWGs = kMathWGs_;
+  static constexpr int kAuxWGs = kMathWGs == 1 ? 2 : 1;
   static constexpr int kStages = 3;
   static constexpr int kVT = 64 * kMathWGs;
-  static constexpr int kThreads = 128 * (2 + kMathWGs);
+  static constexpr int kThreads = 128 * (1 + kAuxWGs + kMathWGs);
   // Registers per thread by role (setmaxnreg; the SM's 64 Ki registers are 512 per thread of a
-  // warpgroup slot): producer, aux, each math warpgroup. The aux holds two accumulators in flight
-  // (Q K^T, W') and A'': at 120 it spilled 532 bytes and ptxas serialized its wgmma (C7512), as
-  // it does the math warpgroups' below 176.
-  static constexpr int kRegs[3] = {kMathWGs == 1 ? 40 : 24, kMathWGs == 1 ? 200 : 136, kMathWGs == 1 ? 232 : 176};
+  // warpgroup slot): producer, aux (A), aux B (V tile 64), each math warpgroup. The single aux of
+  // V tile 128 holds two accumulators in flight (Q K^T, W') and A'': at 120 it spilled 532 bytes
+  // and ptxas serialized its wgmma (C7512), as it does the math warpgroups' below 176.
+  static constexpr int kRegs[4] = {24, kMathWGs == 1 ? 128 : 136, 128, kMathWGs == 1 ? 232 : 176};
   static constexpr int kEntryRegs = (65536 / kThreads) & ~7;  // what every thread starts with
-  static_assert(kRegs[0] + kRegs[1] + kMathWGs * kRegs[2] <= 512, "register budgets over the SM's");
+  static_assert(kRegs[0] + kRegs[1] + (kAuxWGs - 1) * kRegs[2] + kMathWGs * kRegs[3] <= 512,
+                "register budgets over the SM's");
   // Stage (1 KiB aligned parts): K|Q stacked as the forward's (raw, then Kd', Qg'); the dO tile
-  // (one 64-column box per math warpgroup); the region's Tu' image, then A'' over it (the aux
-  // stores A'' once its W' product has read Tu'); W' (64 tokens x 128 d, Lay<half_t>::TokD_K);
+  // (one 64-column box per math warpgroup); the region's Tu' image; A'' (at V tile 128 over Tu':
+  // the aux stores it once its W' product has read Tu'); W' (64 tokens x 128 d, TokD_K);
   // the region's gates and exponents (kGateCopy bytes), then D's per-token factors.
-  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2, kA2 = kTu;
-  static constexpr uint32_t kW = kTu + kImgTokTok * 2, kGates = kW + kQKBytes;
+  static constexpr uint32_t kQK = 0, kV = 2 * kQKBytes, kTu = kV + kC * kVT * 2;
+  static constexpr uint32_t kA2 = kMathWGs == 1 ? kTu + kImgTokTok * 2 : kTu;  // over Tu' at V tile 128
+  static constexpr uint32_t kW = kA2 + kImgTokTok * 2, kGates = kW + kQKBytes;
   static constexpr uint32_t kGateCopy = kInvGateCopy;
   static constexpr uint32_t kTokD = kGates + 1024;
   static constexpr uint32_t kStageBytes = kGates + 2048;
   static constexpr uint32_t kTx = 2 * kQKBytes + kC * kVT * 2 + kImgTokTok * 2 + kGateCopy;
   static constexpr uint32_t kBar = kStages * kStageBytes;
-  static constexpr size_t kSmem = 1024 + kBar + 3 * kStages * 8;
+  static constexpr size_t kSmem = 1024 + kBar + 4 * kStages * 8;  // full, aready, empty, kw_loaded
   static_assert(kSmem <= 232448, "reverse chain smem over the 227 KiB limit");
   static_assert(kGateCopy <= 1024 && kTokD + kC * 4 <= kStageBytes, "stage parts overlap");
 };
@@ -79,47 +85,41 @@ __device__ __forceinline__ void set_role_registers() {
 
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
 
-// The aux's operands of one chunk (see the top of this file), from the raw 16-bit K|Q tile (type
-// T) as it landed: one read of each run for Kw, one for Kd' and Qg' (written in place), the
-// scores from the raw tile on the tensor cores with the exponents folded into their gates.
-//   1. D's per-token factors; issue S = Q K^T (SS, raw tile).
-//   2. Kw = e^gamma K into W''s buffer; issue W'acc = Tu' Kw (SS), under which
-//   3. the gate epilogue of S gives A'' (fp16, in registers), then
-//   4. Kd' = e^(Gamma - gamma) 2^ek K and Qg' = e^gamma 2^eq Q in place (zero past the
-//      sequence's end: the region's gates are zero there), and
-//   5. A'' stored over Tu', W' = -2^-et W'acc over Kw.
-// Ends with the operands fenced for the async proxy.
+// The aux's steps on one chunk's stage (see the top of this file), from the raw 16-bit K|Q tile
+// (type T) as it landed: one read of each K run for Kw, one of each run for Kd' and Qg' (written
+// in place), the scores from the raw tile on the tensor cores with the exponents folded into
+// their gates. Thread wt of the aux warpgroup takes the 16-byte runs wt + 128 it of the stacked
+// operand: row wt / 8 + 16 (it & 3) of d-block it / 8, K rows for it & 7 < 4, Q rows after (as
+// aux_convert_qk's). The 128-byte swizzle moves runs within their row only, so a K run at byte o
+// of d-block h lies at o in W''s d-block h (8 KiB blocks instead of 16).
 template <class T, class Cfg>
-__device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
+struct RevAux {
   using H = cutlass::half_t;
   using LH = Lay<H>;
-  const float* sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
-  const float* sEg = sGam + (kInvEg - kInvGam) / 4;
-  const float* sEgk = sGam + (kInvEgk - kInvGam) / 4;
-  const int8_t* kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
-  const int8_t* qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
-  T* sQK = reinterpret_cast<T*>(stb + Cfg::kQK);
-  H* sW = reinterpret_cast<H*>(stb + Cfg::kW);
-  // D's per-token factors: scale 2^-eq_i (scale and q's exponents ride on D, so that A'' and Qg'
-  // stay near unit size whatever scale is), zero past the sequence's end (D's rows there).
-  if (wt < kC) reinterpret_cast<float*>(stb + Cfg::kTokD)[wt] = wt < len ? p.scale * pow2i(-qexp[wt]) : 0.f;
-  AuxAcc accS;  // Q K^T
-  aux_issue_qk(sQK, wt, accS);
-  QLA_PHASE(1);
+  using WMma = decltype(make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
+  using AccW = decltype(partition_fragment_C(WMma{}, Shape<_64, _128>{}));
+  uint8_t* stb;
+  int len, wt, r0;
+  const float* sGam;
+  const int8_t *kexp, *qexp;
+  uint32_t qk, w;  // this thread's first run of K|Q, and of W''s buffer
 
-  // Thread wt takes the 16-byte runs wt + 128 it of the stacked operand: row wt / 8 + 16 (it & 3)
-  // of d-block it / 8, K rows for it & 7 < 4, Q rows after (as aux_convert_qk's). The
-  // 128-byte swizzle moves runs within their row only, so a K run at byte o of d-block h lies at
-  // o in W''s d-block h (8 KiB blocks instead of 16).
-  const int r0 = wt >> 3;
-  const uint32_t qk = smem_u32(sQK) + 16u * wt, w = smem_u32(sW) + 16u * wt;
-  auto run = [&](int it) { return qk + 16u * 128u * it; };
-  auto load_run = [](uint32_t a) {
+  __device__ __forceinline__ RevAux(uint8_t* stb_, int len_, int wt_) : stb(stb_), len(len_), wt(wt_), r0(wt_ >> 3) {
+    sGam = reinterpret_cast<const float*>(stb + Cfg::kGates);
+    kexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvKexp - kInvGam));
+    qexp = reinterpret_cast<const int8_t*>(stb + Cfg::kGates + (kInvQexp - kInvGam));
+    qk = smem_u32(stb + Cfg::kQK) + 16u * wt;
+    w = smem_u32(stb + Cfg::kW) + 16u * wt;
+  }
+  __device__ __forceinline__ const float* eg() const { return sGam + (kInvEg - kInvGam) / 4; }
+  __device__ __forceinline__ const float* egk() const { return sGam + (kInvEgk - kInvGam) / 4; }
+  __device__ __forceinline__ uint32_t run(int it) const { return qk + 16u * 128u * it; }
+  __device__ __forceinline__ static uint4 load_run(uint32_t a) {
     uint4 u;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
     return u;
-  };
-  auto scaled = [](uint4 u, float sc) {  // eight 16-bit inputs times sc, as fp16
+  }
+  __device__ __forceinline__ static uint4 scaled(uint4 u, float sc) {  // eight 16-bit inputs times sc, as fp16
     uint32_t* pu = &u.x;
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
@@ -127,50 +127,53 @@ __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t
       pu[i] = pack2<H>(f.x * sc, f.y * sc);
     }
     return u;
-  };
-  {
-    float kw[4];
-    CUTE_UNROLL
-    for (int r = 0; r < 4; ++r) kw[r] = sEg[r0 + 16 * r];
-    uint4 u[8];
+  }
+
+  // D's per-token factors: scale 2^-eq_i (scale and q's exponents ride on D, so that A'' and Qg'
+  // stay near unit size whatever scale is), zero past the sequence's end (D's rows there).
+  __device__ __forceinline__ void tok_factors(float scale) const {
+    if (wt < kC) reinterpret_cast<float*>(stb + Cfg::kTokD)[wt] = wt < len ? scale * pow2i(-qexp[wt]) : 0.f;
+  }
+  __device__ __forceinline__ void issue_qk(AuxAcc& acc) const { aux_issue_qk(reinterpret_cast<const T*>(stb + Cfg::kQK), wt, acc); }
+  // This thread's eight K runs (d-blocks 0 and 1), then Kw = e^gamma K of them into W''s buffer.
+  __device__ __forceinline__ void load_k(uint4 (&u)[8]) const {
     CUTE_UNROLL
     for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * (r >> 2) + (r & 3)));
+  }
+  __device__ __forceinline__ void store_kw(const uint4 (&u)[8]) const {
+    float kw[4];
+    CUTE_UNROLL
+    for (int r = 0; r < 4; ++r) kw[r] = eg()[r0 + 16 * r];
     CUTE_UNROLL
     for (int r = 0; r < 8; ++r) sts128(w + 8192u * (r >> 2) + 16u * 128u * (r & 3), scaled(u[r], kw[r & 3]));
   }
-  fence_async_smem();
-  wg_bar(kBarAux);  // Kw written by every thread before the wgmma reads it
-  QLA_PHASE(2);
-  using WMma = decltype(make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>()));
-  auto mmaW = WMma{};
-  Tensor accW = partition_fragment_C(mmaW, Shape<_64, _128>{});  // W'acc (j, d)
-  {
-    auto thr = mmaW.get_thread_slice(wt);
+  // W'acc = Tu' Kw (j, d), issued and committed.
+  __device__ __forceinline__ void issue_w(AccW& acc) const {
+    auto mma = WMma{};
+    auto thr = mma.get_thread_slice(wt);
     Tensor rTu = thr.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
-    Tensor rKw = thr.partition_fragment_B(make_tensor(make_smem_ptr(sW), typename LH::DTok_MN{}));
-    warpgroup_fence_operand(accW);
+    Tensor rKw = thr.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kW)), typename LH::DTok_MN{}));
+    warpgroup_fence_operand(acc);
     warpgroup_arrive();
-    gemm_k(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
+    gemm_k(mma, rTu, rKw, acc, GMMA::ScaleOut::Zero);
     warpgroup_commit_batch();
   }
-  // A'' from S (registers) while W'acc runs; stored over Tu' once the product has read it.
-  warpgroup_wait<1>();
-  warpgroup_fence_operand(accS);
-  QLA_PHASE(3);
-  AuxA16 rA16;
-  aux_gate_scores<true>(sGam, qexp, kexp, len, wt, accS, rA16);
-  wg_bar(kBarAux);  // every warp's Q K^T has read the raw tile before it changes in place
-  QLA_PHASE(4);
-  {
+  // A'' from S = Q K^T (waited for), in registers.
+  __device__ __forceinline__ void gate(const AuxAcc& acc, AuxA16& rA16) const {
+    aux_gate_scores<true>(sGam, qexp, kexp, len, wt, acc, rA16);
+  }
+  // Kd' = e^(Gamma - gamma) 2^ek K and Qg' = e^gamma 2^eq Q in place (zero past the sequence's
+  // end: the region's gates are zero there), four runs at a time.
+  __device__ __forceinline__ void kd_qg() const {
     float kd[4], qg[4];
     CUTE_UNROLL
     for (int r = 0; r < 4; ++r) {
       const int row = r0 + 16 * r;
-      kd[r] = sEgk[row] * pow2i(kexp[row]);
-      qg[r] = sEg[row] * pow2i(qexp[row]);
+      kd[r] = egk()[row] * pow2i(kexp[row]);
+      qg[r] = eg()[row] * pow2i(qexp[row]);
     }
 #pragma unroll 1
-    for (int hb = 0; hb < 2; ++hb) {  // d-block hb: its K runs, then its Q runs, four at a time
+    for (int hb = 0; hb < 2; ++hb) {  // d-block hb: its K runs, then its Q runs
       uint4 u[4];
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + r));
@@ -182,18 +185,103 @@ __device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t
       for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled(u[r], qg[r]));
     }
   }
+  __device__ __forceinline__ void store_a2(const AuxA16& rA16) const {
+    Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
+    stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
+  }
+  // W' = -2^-et W'acc over Kw.
+  __device__ __forceinline__ void store_w(const AccW& acc) const {
+    const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
+    Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kW)), typename LH::TokD_K{});
+    stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * acc(i); });
+  }
+};
+
+// One aux warpgroup (V tile 128): every step of a chunk, interleaved so that its two products
+// run under its other work. Ends with the operands fenced for the async proxy.
+//   1. D's factors; issue S = Q K^T;  2. Kw; issue W'acc = Tu' Kw;  3. A'' from S (registers);
+//   4. Kd', Qg' in place;  5. A'' over Tu' (the product has read it), W' over Kw.
+template <class T, class Cfg>
+__device__ __forceinline__ void aux_reverse_operands(const RecParams& p, uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
+  RevAux<T, Cfg> a(stb, len, wt);
+  a.tok_factors(p.scale);
+  AuxAcc accS;  // Q K^T
+  a.issue_qk(accS);
+  QLA_PHASE(1);
+  {
+    uint4 u[8];
+    a.load_k(u);
+    a.store_kw(u);
+  }
+  fence_async_smem();
+  wg_bar(kBarAux);  // Kw written by every thread before the wgmma reads it
+  QLA_PHASE(2);
+  typename RevAux<T, Cfg>::AccW accW;
+  a.issue_w(accW);
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(accS);
+  QLA_PHASE(3);
+  AuxA16 rA16;
+  a.gate(accS, rA16);
+  wg_bar(kBarAux);  // every warp's Q K^T has read the raw tile before it changes in place
+  QLA_PHASE(4);
+  a.kd_qg();
   QLA_PHASE(5);
   warpgroup_wait<0>();
   warpgroup_fence_operand(accW);
   wg_bar(kBarAux);  // every warp's product has read Tu' and Kw
   QLA_PHASE(6);
-  Tensor tA2 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_K{});
-  stmatrix_rows<64>(tA2, wt, [&](int i) { return static_cast<float>(rA16(i)); });
-  const float wsc = -pow2i(-tu_exp_of<Cfg>(stb));
-  Tensor tW = make_tensor(make_smem_ptr(sW), typename LH::TokD_K{});
-  stmatrix_rows<128>(tW, wt, [&](int i) { return wsc * accW(i); });
+  a.store_a2(rA16);
+  a.store_w(accW);
   fence_async_smem();  // the generic stores before the math warpgroup's wgmma reads them
   QLA_PHASE(7);
+}
+
+// Two aux warpgroups (V tile 64, whose registers leave room for a fourth warpgroup): A takes the
+// scores and the in-place pass, B Kw and W'; B's loads of the raw K runs are done (kw_loaded,
+// an mbarrier per stage) before A overwrites them. A'' has its own slot here.
+constexpr int kBarAuxB = 3;
+template <class T, class Cfg>
+__device__ __forceinline__ void aux_a_operands(const RecParams& p, uint8_t* stb, int len, int wt, uint64_t* kw_loaded,
+                                               uint32_t parity QLA_PHASE_ARGS) {
+  RevAux<T, Cfg> a(stb, len, wt);
+  a.tok_factors(p.scale);
+  AuxAcc accS;
+  a.issue_qk(accS);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accS);
+  QLA_PHASE(1);
+  AuxA16 rA16;
+  a.gate(accS, rA16);
+  a.store_a2(rA16);
+  wg_bar(kBarAux);  // every warp's Q K^T has read the raw tile before it changes in place
+  mbar_wait(kw_loaded, parity);
+  QLA_PHASE(2);
+  a.kd_qg();
+  fence_async_smem();
+  QLA_PHASE(3);
+}
+template <class T, class Cfg>
+__device__ __forceinline__ void aux_b_operands(uint8_t* stb, int len, int wt, uint64_t* kw_loaded QLA_PHASE_ARGS) {
+  RevAux<T, Cfg> a(stb, len, wt);
+  {
+    uint4 u[8];
+    a.load_k(u);
+    mbar_arrive(kw_loaded);
+    a.store_kw(u);
+  }
+  fence_async_smem();
+  wg_bar(kBarAuxB);  // Kw written by every thread before the wgmma reads it
+  QLA_PHASE(1);
+  typename RevAux<T, Cfg>::AccW accW;
+  a.issue_w(accW);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accW);
+  wg_bar(kBarAuxB);  // every warp's product has read Kw
+  QLA_PHASE(2);
+  a.store_w(accW);
+  fence_async_smem();
+  QLA_PHASE(3);
 }
 
 // The units of a chunk (see the top of this file): from max |dS^T row| (current units) and
@@ -244,6 +332,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
   uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
   uint64_t* aready = full + kStages;
   uint64_t* empty = aready + kStages;
+  uint64_t* kw_loaded = empty + kStages;  // (two aux warpgroups) B has read the raw K runs
 
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
   wait_for_previous_kernels();  // the chunk table and the inverse kernel's regions
@@ -252,8 +341,9 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&aready[s], 128);
+      mbar_init(&aready[s], 128 * Cfg::kAuxWGs);
       mbar_init(&empty[s], 128 * kMathWGs);
+      mbar_init(&kw_loaded[s], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -281,25 +371,37 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     return;
   }
 
-  if (wg == 1) {
-    // ---------------- aux: the chunk's operands ----------------
-    set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
+  if (wg == 1 || (Cfg::kAuxWGs == 2 && wg == 2)) {
+    // ---------------- aux: the chunk's operands (one warpgroup, or A and B) ----------------
+    const bool b = wg == 2;
+    if (b) set_role_registers<Cfg::kRegs[2], Cfg::kEntryRegs>();
+    else set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
     QLA_PHASES(8);
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       const int len = static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC));
-      aux_reverse_operands<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
+      if constexpr (Cfg::kAuxWGs == 1) {
+        aux_reverse_operands<T, Cfg>(p, stb, len, wt QLA_PHASE_PASS);
+      } else {
+        if (b) aux_b_operands<T, Cfg>(stb, len, wt, &kw_loaded[c % kStages] QLA_PHASE_PASS);
+        else aux_a_operands<T, Cfg>(p, stb, len, wt, &kw_loaded[c % kStages], parity(c) QLA_PHASE_PASS);
+      }
       mbar_arrive(&aready[c % kStages]);
     }
-    QLA_PHASES_PRINT("reverse aux (wait, QK^T issued, Kw, W' issued + QK^T wait, A'' gate, Kd' Qg', W' wait, A'' + W' store)", 8, nch);
+    if constexpr (Cfg::kAuxWGs == 1)
+      QLA_PHASES_PRINT("reverse aux (wait, QK^T issued, Kw, W' issued + QK^T wait, A'' gate, Kd' Qg', W' wait, A'' + W' store)", 8, nch);
+    else if (b)
+      QLA_PHASES_PRINT("reverse aux B (wait, Kw, W' product, W' store)", 4, nch);
+    else
+      QLA_PHASES_PRINT("reverse aux A (wait, QK^T, A'' + wait for B's K loads, Kd' Qg')", 4, nch);
     return;
   }
 
   // ---------------- math: the chain ----------------
-  set_role_registers<Cfg::kRegs[2], Cfg::kEntryRegs>();
-  const int mw = wg - 2;  // this math warpgroup's 64 v rows of the tile
+  set_role_registers<Cfg::kRegs[3], Cfg::kEntryRegs>();
+  const int mw = wg - 1 - Cfg::kAuxWGs;  // this math warpgroup's 64 v rows of the tile
   auto mmaU = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});    // B = Kd' (j, d)
   auto mmaA = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});   // B = A'' as (j, i)
   auto mmaS = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Qg', W' as (d, tok)
@@ -317,7 +419,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
   const int v0 = tile.vt * Cfg::kVT + 64 * mw;
   load_entering_state(p, kInitH0, tile.n, tile.hv, v0, nullptr, nullptr, accS, cS);  // d(final state)
   int esc[2] = {0, 0};
-  QLA_PHASES(5);  // wait, units and D, dU' issued + decay, D Qg' + dU' copy, W' product
+  QLA_PHASES(5);  // wait, units and D, decay + dU' issued, D Qg' + dU' copy, W' product
 
   for (int c = 0; c < nch; ++c) {
     const int st = c % kStages;
@@ -342,7 +444,9 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     // may not be read while it runs).
     uint8_t* frags = frag_block(p, role_region(c), v0);
     if (frags) store_fragments(rS16, frags + kFragDSn, wt, reinterpret_cast<int*>(frags + kFragEsc), get<0>(cS(0)), esc);
-    // dU' = D A'' + dSn' Kd'^T.
+    // dS' = f e^Gamma dS' (its products come below), then dU' = D A'' + dSn' Kd'^T.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
     Tensor rA2 = thrA.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<H*>(stb + Cfg::kA2)), typename LH::TokTok_MN{}));
     Tensor rKd = thrU.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_K{}), Shape<_64, _128>{}, make_coord(0, 0)));
     warpgroup_fence_operand(rD16);
@@ -352,10 +456,8 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     gemm_k(mmaA, rD16, rA2, accU, GMMA::ScaleOut::Zero);
     gemm_k(mmaU, rS16, rKd, accU, GMMA::ScaleOut::One);
     warpgroup_commit_batch();
-    // dS' = f e^Gamma dS' + D Qg', under the first product.
-    CUTE_UNROLL
-    for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
     QLA_PHASE(2);
+    // dS' += D Qg', under the first product.
     Tensor rQg = thrS.partition_fragment_B(local_tile(make_tensor(make_smem_ptr(sQK), QK_MN{}), Shape<_128, _64>{}, make_coord(0, 1)));
     warpgroup_fence_operand(accS);
     warpgroup_arrive();
@@ -378,7 +480,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     mbar_arrive(&empty[st]);  // every read of the stage is done
     QLA_PHASE(4);
   }
-  QLA_PHASES_PRINT("reverse math (wait, units + D, dU' + decay, D Qg' + dU' copy, W')", 5, nch);
+  QLA_PHASES_PRINT("reverse math (wait, units + D, decay + dU' issued, D Qg' + dU' copy, W')", 5, nch);
 
   store_leaving_state<false>(p, kEndFinal, tile.n, tile.hv, v0, nullptr, accS, cS, esc);  // d(initial state)
 }
