@@ -563,6 +563,24 @@ __device__ __forceinline__ void stage_o_trans(const Acc& acc, const int (&esc)[2
   }
 }
 
+// The lean step's Z^T = diag(sc) V^T - Y'^T diag(egz) in fp16 (the A operand of U^T = Z^T Tu^T):
+// accL holds Y'^T (v, tok) with coordinates cL, vp this thread's V^T pairs (load_vt_pairs), egz
+// the per-token factors (e^gamma 2^-ek), sc the row units of this thread's two rows.
+template <class T, class Acc, class Coord, class Z16>
+__device__ __forceinline__ void form_z(const Acc& accL, const Coord& cL, const uint32_t (&vp)[16], const float* egz,
+                                       const float (&sc)[2], Z16& rZ16) {
+  using H = cutlass::half_t;
+  CUTE_UNROLL
+  for (int k = 0; k < 16; ++k) {
+    const int i = 2 * k;
+    const float2 vv = unpack2<T>(vp[k]);
+    const float2 eg = *reinterpret_cast<const float2*>(egz + get<1>(cL(i)));
+    const float s_ = sc[acc_half(i)];
+    rZ16(i) = H(vv.x * s_ - eg.x * accL(i));
+    rZ16(i + 1) = H(vv.y * s_ - eg.y * accL(i + 1));
+  }
+}
+
 // The backward's chunk operands (docs/backward.md section 10, build step 3), when
 // RecParams::grad_frags is set: per (chunk, value head) region and 64-row block of v (v / 64), an
 // fp16 operand of the chunk as a math warpgroup holds it, in wgmma fragment order (element group
@@ -837,15 +855,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
       product(mmaL, rS16, thrL.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0))), accL,
               GMMA::ScaleOut::Zero);
-      CUTE_UNROLL
-      for (int k = 0; k < 16; ++k) {
-        const int i = 2 * k;
-        const float2 vv = unpack2<T>(vp[k]);
-        const float2 eg = *reinterpret_cast<const float2*>(sEgZ + get<1>(cL(i)));
-        const float s_ = sc[acc_half(i)];
-        rZ16(i) = H(vv.x * s_ - eg.x * accL(i));
-        rZ16(i + 1) = H(vv.y * s_ - eg.y * accL(i + 1));
-      }
+      form_z<T>(accL, cL, vp, sEgZ, sc, rZ16);
       Tensor tTW = make_tensor(make_smem_ptr(sTW), TW_K{});
       product(mmaL, rZ16, thrL.partition_fragment_B(local_tile(tTW, Shape<_64, _64>{}, make_coord(0, 0))), accL,
               GMMA::ScaleOut::Zero);

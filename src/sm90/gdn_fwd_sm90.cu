@@ -50,6 +50,7 @@
 #include "host_util.cuh"
 #ifdef QLA_SM90_TEST_HOOKS
 #include "fused_reverse.cuh"  // the fused backward's reverse chain (build step 2), test builds until step 3
+#include "chunk_grads.cuh"    // the fused backward's gradients kernel (build step 3), test builds until complete
 #endif
 
 namespace qla {
@@ -549,7 +550,7 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 int g_test_inverse_skip = 0;  // test builds only: PrepParams::skip of the inverse kernel
 
 template <class T>
-Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
+Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm = nullptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int N = static_cast<int>(num_seqs(p));
   const int64_t nregions = max_chunks(p) * p.shape.num_v_heads;
@@ -559,6 +560,8 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   if (!s.ok()) return s;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmemTm),
+               "cudaFuncSetAttribute(gdn_fwd_inverse<T'>)");
   const SeqDesc sd = seq_desc(p);
   int* table = static_cast<int*>(p.workspace);
   int2* places = reinterpret_cast<int2*>(static_cast<uint8_t*>(p.workspace) + ws_layout(p).places);
@@ -570,9 +573,12 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions) {
   s = make_tile_map(&pp.tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (!s.ok()) return s;
   pp.regions = regions;
+  pp.tm = tm;
   pp.skip = g_test_inverse_skip;
   set_inverse_items(pp, inverse_group_for(nregions, pp.HV / pp.H, dinfo->sms));
-  gdn_fwd_inverse<T><<<inverse_grid(nregions, pp.inv_group, dinfo->sms), 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
+  const dim3 grid(inverse_grid(nregions, pp.inv_group, dinfo->sms));
+  if (tm) gdn_fwd_inverse<T, true><<<grid, 128 * kInvWarpgroups, kInvSmemTm, stream>>>(pp);  // (and the T' images)
+  else gdn_fwd_inverse<T><<<grid, 128 * kInvWarpgroups, kInvSmem, stream>>>(pp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_inverse");
   return Status::Ok();
 }
@@ -653,6 +659,45 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
   return Status::Ok();
 }
+
+// The gradients kernel over the regions and chunk operands that earlier test calls left (the
+// chunk table and regions in p.workspace, as test_run_reverse_chain leaves them).
+template <class T>
+Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const MutTensorRef& dv,
+                          const MutTensorRef& dq) {
+  if (num_seqs(p) == 0) return Status::Ok();
+  SplitChoice sc;
+  sc.fused = true;
+  const WsLayout wl = ws_layout(p, sc);
+  Status s = check_workspace("sm90 gradients (test)", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  ChunkGradParams gp{};
+  gp.sd = seq_desc(p);
+  gp.chunk_off = reinterpret_cast<const int*>(ws + wl.table);
+  gp.regions = ws + wl.regions;
+  gp.frags = frags;
+  gp.N = static_cast<int>(num_seqs(p));
+  gp.H = static_cast<int>(p.shape.num_qk_heads);
+  gp.HV = static_cast<int>(p.shape.num_v_heads);
+  s = make_tile_map(&gp.tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmv, p.v, p.shape.num_v_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmdo, d_o, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
+  gp.scale = static_cast<float>(p.scale);
+  gp.dv = dv.data;
+  gp.dq = dq.data;
+  for (int i = 0; i < 3; ++i) {
+    gp.sdv[i] = dv.stride[i];
+    gp.sdq[i] = dq.stride[i];
+  }
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
+               "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
+  gdn_bwd_chunk_grads<T><<<dim3(static_cast<unsigned>(max_chunks(p)), gp.H), kGradThreads, kGradSmemBytes,
+                           static_cast<cudaStream_t>(p.stream)>>>(gp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_chunk_grads");
+  return Status::Ok();
+}
 #endif
 
 }  // namespace
@@ -680,11 +725,18 @@ void test_print_phases() {  // the phase records of the kernels run since the la
   cudaDeviceSynchronize();
 }
 #endif
-Status test_run_inverse(const GdnForwardParams& p, void* regions) {
+Status test_run_inverse(const GdnForwardParams& p, void* regions, void* tm) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions);
-  return launch_inverse_alone<cutlass::half_t>(p, regions);
+  if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions, tm);
+  return launch_inverse_alone<cutlass::half_t>(p, regions, tm);
+}
+Status test_run_chunk_grads(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const MutTensorRef& dv,
+                            const MutTensorRef& dq) {
+  Status s = check_supported(p);
+  if (!s.ok()) return s;
+  return p.q.dtype == DType::kBFloat16 ? launch_grads_alone<cutlass::bfloat16_t>(p, d_o, frags, dv, dq)
+                                       : launch_grads_alone<cutlass::half_t>(p, d_o, frags, dv, dq);
 }
 size_t test_fragment_layout(int i) {
   const size_t v[] = {kFragS, kFragEscS, kFragDSn, kFragDU, kFragEsc, kFragBlockBytes, kFragRegionBytes};

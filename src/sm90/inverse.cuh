@@ -61,7 +61,10 @@ constexpr uint32_t kInvRed = kInvSQexp + kC * 4, kInvBc = kInvRed + 16;
 constexpr uint32_t kInvWGBytes = (kInvBc + kC * 4 + 1023) & ~1023u;
 constexpr int kInvWarpgroups = 4;  // per CTA, independent (own slice, named barriers, mbarrier)
 constexpr size_t kInvSmem = 1024 + kInvWarpgroups * size_t(kInvWGBytes);
-static_assert(kInvSmem <= 232448, "inverse smem over the 227 KiB limit");
+// The backward's instantiation (gdn_fwd_inverse<T, true>, PrepParams::tm set) also stages each
+// warpgroup's T' image (8 KiB) after the slices.
+constexpr size_t kInvSmemTm = kInvSmem + kInvWarpgroups * size_t(kImgTokTok * 2);
+static_assert(kInvSmemTm <= 232448, "inverse smem over the 227 KiB limit");
 static_assert(kInvImgS % 1024 == 0, "the Tu image (128-byte swizzle) needs 1 KiB alignment");
 
 // A region's place, found when its loads are issued and kept for its compute: the chunk's
@@ -117,10 +120,12 @@ __device__ __forceinline__ void inverse_load_k(const PrepParams& p, uint8_t* sK,
 // One region, its K tile loaded earlier into sK / bar. first: the item's first value head, which
 // waits for K, computes K K^T into kk (kept for the item's other value heads) and, once every
 // warp's product has retired, loads next_item's tile (with load_next) into the same bytes.
-template <class T, class Acc>
+// kTm (the backward's instantiation, p.tm set): also the region's T' image, staged in sTm. A
+// template argument: at run time its code cost the forward's instantiation registers (a spill).
+template <class T, bool kTm, class Acc>
 __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm, uint8_t* sKb, int tid, int barid,
                                                uint64_t* bar, uint32_t phase, const InvRegion& q, bool first, Acc& kk,
-                                               bool load_next, const InvRegion& next_item QLA_PHASE_ARGS) {
+                                               bool load_next, const InvRegion& next_item, cutlass::half_t* sTm QLA_PHASE_ARGS) {
   using L = Lay<T>;
   using H = Lay<cutlass::half_t>;
   T* sK = reinterpret_cast<T*>(sKb);
@@ -447,7 +452,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   const int mtx = lane >> 3;
   CUTE_UNROLL
   for (int b = 0; b < 4; ++b) {
-    uint32_t r[4] = {0u, 0u, 0u, 0u};
+    uint32_t r[4] = {0u, 0u, 0u, 0u}, r2[4] = {0u, 0u, 0u, 0u};  // r2: the backward's T' block
     if (b <= warp) {
       float x[8];
       CUTE_UNROLL
@@ -458,8 +463,17 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
         r[2 * h] = pack2<cutlass::half_t>(x[4 * h] * (rf * bc.x), x[4 * h + 1] * (rf * bc.y));
         r[2 * h + 1] = pack2<cutlass::half_t>(x[4 * h + 2] * (rf * bc.x), x[4 * h + 3] * (rf * bc.y));
       }
+      if constexpr (kTm) {
+        CUTE_UNROLL
+        for (int h = 0; h < 4; ++h) r2[h] = pack2<cutlass::half_t>(x[2 * h], x[2 * h + 1]);
+      }
     }
-    stmatrix4(smem_u32(&tImg(16 * warp + 8 * (mtx & 1) + (lane & 7), 16 * b + 8 * (mtx >> 1))), r[0], r[1], r[2], r[3]);
+    const int row = 16 * warp + 8 * (mtx & 1) + (lane & 7), col = 16 * b + 8 * (mtx >> 1);
+    stmatrix4(smem_u32(&tImg(row, col)), r[0], r[1], r[2], r[3]);
+    if constexpr (kTm) {  // the backward's T' image (the same block without the column factors)
+      Tensor tTm = make_tensor(make_smem_ptr(sTm), typename H::TokTok_K{});
+      stmatrix4(smem_u32(&tTm(row, col)), r2[0], r2[1], r2[2], r2[3]);
+    }
   }
   if (tid < kC) {
     regb[kInvKexp + tid] = static_cast<uint8_t>(static_cast<int8_t>(sKexp[tid]));
@@ -473,6 +487,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
   QLA_PHASE(7);  // the image and the last barrier
   if (tid == 0) {
     bulk_s2g(regb + kInvImg, sImg, kImgTokTok * 2);
+    if constexpr (kTm) bulk_s2g(static_cast<uint8_t*>(p.tm) + (static_cast<size_t>(q.ci) * p.HV + q.hv) * (kImgTokTok * 2), sTm, kImgTokTok * 2);
     bulk_commit();
     if (p.ready) {  // a dependent kernel polls the flag: the image must be in global memory first
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -487,7 +502,7 @@ __device__ __forceinline__ void inverse_region(const PrepParams& p, uint8_t* sm,
 // chunk-major, each taking the item's value heads in turn (one K tile and one K K^T for all of
 // them), the next item's K tile loaded during the item's first region and the next region's
 // gates before it computes the current one.
-template <class T>
+template <class T, bool kTm = false>
 __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const __grid_constant__ PrepParams p) {
   allow_dependent_launch();  // the fused recurrence may start its CTAs on the SMs this grid leaves
   extern __shared__ uint8_t smem_raw[];
@@ -495,6 +510,8 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   uint8_t* sm = base + wg * kInvWGBytes;
+  cutlass::half_t* sTm = kTm ? reinterpret_cast<cutlass::half_t*>(base + kInvWarpgroups * kInvWGBytes + wg * (kImgTokTok * 2))
+                             : nullptr;
   uint64_t* bar = reinterpret_cast<uint64_t*>(sm + kInvMisc + 2 * kC * 4);  // the K tile's
   if (tid == 0) {
     mbar_init(bar, 1);
@@ -526,8 +543,8 @@ __global__ void __launch_bounds__(128 * kInvWarpgroups, 1) gdn_fwd_inverse(const
       if (gi + 1 < G) next = with_gates(p, tid, cur, cur.hv + 1);
       else if (more) next = with_gates(p, tid, next_item, next_item.hv);
       QLA_PHASE(9);  // the next item's place (an item's first region) and the next region's gate loads
-      inverse_region<T>(p, sm, sm + kInvK, tid, 1 + wg, bar, k & 1, cur, gi == 0, kk,
-                        gi == 0 && more, next_item QLA_PHASE_PASS);
+      inverse_region<T, kTm>(p, sm, sm + kInvK, tid, 1 + wg, bar, k & 1, cur, gi == 0, kk,
+                             gi == 0 && more, next_item, sTm QLA_PHASE_PASS);
       ++nreg;
       cur = next;
     }

@@ -276,7 +276,8 @@ struct PrepParams {
   const int2* places;  // the inverse kernel: each chunk's place (write_chunk_places)
   void* regions;  // kRegionBytes per (chunk, value head)
   int* ready;     // overlapped mode: per (chunk, value head) flag set once its region is written; else null
-  void* tm;       // backward: Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; else null
+  void* tm;       // backward: the prep's Tm = (I + L)^-1 hi|lo images (TokTok_K, 2 x 8 KiB) per region; the
+                  // inverse kernel's T' (fp16 TokTok_K, 8 KiB per region: Tm = diag(2^ek) T' diag(2^-ek)); else null
   float scale;
   int skip;       // the inverse kernel's test hook only (0 otherwise): stages left out, to time the others
   const void* q;  // the inverse kernel: q's row norms (16-byte loads; element strides B, T, H)

@@ -42,7 +42,12 @@ void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: p
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
-qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions);
+// With tm set, also the backward's T' images (8 KiB per region).
+qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions, void* tm = nullptr);
+// The gradients kernel (build step 3) over the chunk table and regions in p.workspace and the
+// chunk operands in frags (left by the calls above): dv and dq so far.
+qla::Status test_run_chunk_grads(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const void* frags,
+                                 const qla::MutTensorRef& dv, const qla::MutTensorRef& dq);
 // The fused backward's reverse chain alone (build step 2): d_o and d(final state) in, d(initial state) out.
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
@@ -175,13 +180,17 @@ static int64_t total_chunks(const Problem& P) {
   for (int64_t s = 0; s < P.N; ++s) n += (P.cu[s + 1] - P.cu[s] + 63) / 64;
   return n;
 }
+// With d_o and dq set, also dq ([B T][H][K]): dq_t = scale sum over the group's value heads of
+// S_t dO_t (S_t the state after token t).
 static void reference(const Problem& P, std::vector<double>& o, std::vector<double>& hT,
-                      std::vector<double>* chunk_S = nullptr) {
+                      std::vector<double>* chunk_S = nullptr, const std::vector<float>* d_o = nullptr,
+                      std::vector<double>* dq = nullptr) {
   const Case& c = P.c;
   const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
   o.assign(c.B * c.T * c.HV * V, 0.0);
   hT.assign(P.N * c.HV * K * V, 0.0);
   if (chunk_S) chunk_S->assign(total_chunks(P) * c.HV * K * V, 0.0);
+  if (dq) dq->assign(c.B * c.T * c.H * K, 0.0);
   std::vector<double> S(K * V), ks(V);
   int64_t ci0 = 0;
   for (int64_t n = 0; n < P.N; ++n, ci0 += (P.cu[n] - P.cu[n - 1] + 63) / 64)
@@ -205,6 +214,15 @@ static void reference(const Problem& P, std::vector<double>& o, std::vector<doub
         double* ot = &o[(t * c.HV + hv) * V];
         for (int d = 0; d < K; ++d)
           for (int j = 0; j < V; ++j) ot[j] += scale * q[d] * S[d * V + j];
+        if (dq) {
+          const float* dO = &(*d_o)[(t * c.HV + hv) * V];
+          double* dqt = &(*dq)[(t * c.H + hq) * K];
+          for (int d = 0; d < K; ++d) {
+            double x = 0;
+            for (int j = 0; j < V; ++j) x += S[d * V + j] * dO[j];
+            dqt[d] += scale * x;
+          }
+        }
       }
       std::copy(S.begin(), S.end(), hT.begin() + (n * c.HV + hv) * K * V);
     }
@@ -646,15 +664,20 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
   std::vector<int64_t> off(P.N + 1, 0);
   for (int64_t n = 0; n < P.N; ++n) off[n + 1] = off[n] + (P.cu[n + 1] - P.cu[n] + 63) / 64;
   const size_t rb = qla::sm90::test_inverse_region_bytes(), bytes = std::max<int64_t>(off[P.N], 1) * HV * rb;
-  void* dreg = nullptr;
+  const size_t tm_bytes = std::max<int64_t>(off[P.N], 1) * HV * 64 * 64 * 2;  // the backward's T' images
+  void *dreg = nullptr, *dtm = nullptr;
   CK(cudaMalloc(&dreg, bytes));
   CK(cudaMemset(dreg, 0xFF, bytes));
-  qla::Status st = qla::sm90::test_run_inverse(D.p, dreg);
+  CK(cudaMalloc(&dtm, tm_bytes));
+  CK(cudaMemset(dtm, 0xFF, tm_bytes));
+  qla::Status st = qla::sm90::test_run_inverse(D.p, dreg, dtm);
   CK(cudaStreamSynchronize(stream));
-  std::vector<uint8_t> reg(bytes);
+  std::vector<uint8_t> reg(bytes), tmh(tm_bytes);
   CK(cudaMemcpy(reg.data(), dreg, bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(tmh.data(), dtm, tm_bytes, cudaMemcpyDeviceToHost));
   CK(cudaFree(dreg));
-  double num = 0, den = 0, gnum = 0, gden = 0;
+  CK(cudaFree(dtm));
+  double num = 0, den = 0, gnum = 0, gden = 0, tnum = 0, tden = 0;
   bool nan = !st.ok(), bad_et = false;
   for (int64_t n = 0; n < P.N; ++n) {
     for (int64_t ci = off[n]; ci < off[n + 1]; ++ci) {
@@ -710,6 +733,16 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
         }
         if (bmax > 0 && !(bmax >= 0.5 && bmax < 1.0)) bad_et = true;
         if (kn != knref) bad_et = true;
+        // T' = diag(2^-ek) Tm diag(2^ek), unscaled fp16 (the backward's image).
+        const uint16_t* timg = reinterpret_cast<const uint16_t*>(tmh.data() + (ci * HV + hv) * 64 * 64 * 2);
+        for (int64_t i = 0; i < len; ++i)
+          for (int64_t j = 0; j < len; ++j) {
+            const double ref = Tm[i * 64 + j] * std::ldexp(1.0, ek[j] - ek[i]);
+            const double x = from16(timg[int(region_offset(int(i), int(j)))], DType::kFloat16);
+            if (!std::isfinite(x)) nan = true;
+            tnum += (x - ref) * (x - ref);
+            tden += ref * ref;
+          }
         for (int64_t i = 0; i < len; ++i)
           for (int64_t j = 0; j < len; ++j) {
             const double ref = Tm[i * 64 + j] * bt[j];
@@ -735,9 +768,11 @@ static bool check_inverse(const Case& c, uint64_t seed, cudaStream_t stream) {
     }
   }
   const double e = std::sqrt(num / std::max(den, 1e-300)), eg = std::sqrt(gnum / std::max(gden, 1e-300));
-  // fp16 rounding of Tu (2^-11 relative) plus the fp32 inverse; gates in fp32.
-  const bool ok = !nan && !bad_et && e < 1e-3 && eg < 1e-5;
-  std::printf("inverse %-40s Tu rel-L2 %.2e  gates %.2e  %s%s%s\n", c.name.c_str(), e, eg, nan ? "NaN/unwritten " : "",
+  const double et_ = std::sqrt(tnum / std::max(tden, 1e-300));
+  // fp16 rounding of Tu and T' (2^-11 relative) plus the fp32 inverse; gates in fp32.
+  const bool ok = !nan && !bad_et && e < 1e-3 && et_ < 1e-3 && eg < 1e-5;
+  std::printf("inverse %-40s Tu rel-L2 %.2e  T' %.2e  gates %.2e  %s%s%s\n", c.name.c_str(), e, et_, eg,
+              nan ? "NaN/unwritten " : "",
               bad_et ? "scale exponents out of their windows " : "",
               ok ? "ok" : (st.ok() ? "FAIL" : st.message().c_str()));
   free_dev(D);
@@ -788,14 +823,19 @@ static void bench_inverse(const Case& c, cudaStream_t stream) {
 // dSn, the gradient of the state leaving the chunk ([K][V], dS before the chunk's last token), and
 // dU ([64][V]: dU_j = scale sum_{i >= j} e^(gamma_i - gamma_j) (q_i . k_j) dO_i
 // + e^(Gamma - gamma_j) dSn^T k_j, gamma the gates' sum within the chunk; zero past the end).
-struct ChunkGrads { std::vector<double> dsn, du; };
-static void reference_reverse(const Problem& P, std::vector<double>& dh0, ChunkGrads* cg = nullptr) {
+// With the gradients: dv ([B T][HV][V]; dv_t = beta_t k_t^T dS_t, dS_t the gradient of the state
+// after token t).
+struct ChunkGrads { std::vector<double> dsn, du, dv; };
+static void reference_reverse(const Problem& P, std::vector<double>& dh0, ChunkGrads* cg = nullptr,
+                              const std::vector<float>* d_o = nullptr) {
+  const std::vector<float>& dOv = d_o ? *d_o : P.v;  // (v plays dO unless one is given)
   const Case& c = P.c;
   const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
   dh0.assign(P.N * c.HV * K * V, 0.0);
   if (cg) {
     cg->dsn.assign(total_chunks(P) * c.HV * K * V, 0.0);
     cg->du.assign(total_chunks(P) * c.HV * 64 * V, 0.0);
+    cg->dv.assign(c.B * c.T * c.HV * V, 0.0);
   }
   std::vector<double> S(K * V), kd(V);
   int64_t ci0 = 0;
@@ -822,20 +862,22 @@ static void reference_reverse(const Problem& P, std::vector<double>& dh0, ChunkG
               double qk = 0;
               for (int d = 0; d < K; ++d) qk += double(qi[d]) * kj[d];
               const double a = scale * std::exp(gam[i] - gam[j]) * qk;
-              const float* dOi = &P.v[((t0 + i) * c.HV + hv) * V];
+              const float* dOi = &dOv[((t0 + i) * c.HV + hv) * V];
               for (int x = 0; x < V; ++x) du[j * V + x] += a * dOi[x];
             }
           }
         }
         const float* q = &P.q[(t * c.H + hq) * K];
         const float* k = &P.k[(t * c.H + hq) * K];
-        const float* dO = &P.v[(t * c.HV + hv) * V];
+        const float* dO = &dOv[(t * c.HV + hv) * V];
         const double a = std::exp(double(P.g[t * c.HV + hv])), b = P.beta[t * c.HV + hv];
         for (int d = 0; d < K; ++d)
           for (int j = 0; j < V; ++j) S[d * V + j] += scale * q[d] * dO[j];
         std::fill(kd.begin(), kd.end(), 0.0);
         for (int d = 0; d < K; ++d)
           for (int j = 0; j < V; ++j) kd[j] += k[d] * S[d * V + j];
+        if (cg)
+          for (int j = 0; j < V; ++j) cg->dv[(t * c.HV + hv) * V + j] = b * kd[j];
         for (int d = 0; d < K; ++d)
           for (int j = 0; j < V; ++j) S[d * V + j] = a * (S[d * V + j] - b * k[d] * kd[j]);
       }
@@ -1007,6 +1049,212 @@ static bool check_states(const Case& c, uint64_t seed, cudaStream_t stream) {
   return ok;
 }
 
+// Every gradient of the recurrence in fp64, token by token (the backward's reference): per
+// (sequence, value head) the forward keeps the state entering each chunk, and the reverse
+// recomputes a chunk's states before walking its tokens back. With u_t = v_t - e^g S^T k_t and
+// S_t = e^g S_{t-1} + beta k u^T, o_t = scale S_t^T q_t, and dS the gradient of S_t:
+//   dS += scale q dO^T;  dq = scale S_t dO;  du = beta dS^T k;  dv = du;  dbeta = k^T dS u;
+//   dk = beta dS u - e^g S_{t-1} du;  dg = e^g (<dS, S_{t-1}> - k^T S_{t-1} du);
+//   dS_{t-1} = e^g (dS - k du^T).
+// The initial state h0 also plays d(final state) (as the gradients check runs them). dq and dk
+// are summed over each group's value heads. Layouts: dq, dk [B T][H][K]; dv [B T][HV][V]; dg,
+// dbeta [B T][HV]; dh0 [N][HV][K][V].
+struct FullGrads { std::vector<double> dq, dk, dv, dg, dbeta, dh0; };
+static void reference_backward(const Problem& P, const std::vector<float>& dO, FullGrads& G) {
+  const Case& c = P.c;
+  const double scale = c.scale != 0.f ? c.scale : 1.0 / std::sqrt(double(K));
+  const int64_t BT = c.B * c.T;
+  G.dq.assign(BT * c.H * K, 0.0);
+  G.dk.assign(BT * c.H * K, 0.0);
+  G.dv.assign(BT * c.HV * V, 0.0);
+  G.dg.assign(BT * c.HV, 0.0);
+  G.dbeta.assign(BT * c.HV, 0.0);
+  G.dh0.assign(P.N * c.HV * K * V, 0.0);
+  std::vector<double> dS(K * V), u(V), du(V), kS(V);
+  for (int64_t n = 0; n < P.N; ++n)
+    for (int64_t hv = 0; hv < c.HV; ++hv) {
+      const int64_t hq = hv / (c.HV / c.H), t0 = P.cu[n], len = P.cu[n + 1] - P.cu[n];
+      const int64_t nch = (len + 63) / 64;
+      auto tok = [&](int64_t t, const std::vector<float>& x, int64_t heads, int64_t h, int64_t w) {
+        return &x[((t0 + t) * heads + h) * w];
+      };
+      // The forward: the state entering each chunk.
+      std::vector<std::vector<double>> Sc(nch + 1, std::vector<double>(K * V, 0.0));
+      std::vector<double> S(K * V);
+      for (int i = 0; i < K * V; ++i) S[i] = c.h0 ? P.h0[(n * c.HV + hv) * K * V + i] : 0.0;
+      for (int64_t t = 0; t < len; ++t) {
+        if (t % 64 == 0) Sc[t / 64] = S;
+        const float* k = tok(t, P.k, c.H, hq, K);
+        const float* v = tok(t, P.v, c.HV, hv, V);
+        const double a = std::exp(double(P.g[(t0 + t) * c.HV + hv])), b = P.beta[(t0 + t) * c.HV + hv];
+        std::fill(kS.begin(), kS.end(), 0.0);
+        for (int d = 0; d < K; ++d)
+          for (int j = 0; j < V; ++j) kS[j] += k[d] * S[d * V + j];
+        for (int j = 0; j < V; ++j) u[j] = v[j] - a * kS[j];
+        for (int d = 0; d < K; ++d)
+          for (int j = 0; j < V; ++j) S[d * V + j] = a * S[d * V + j] + b * k[d] * u[j];
+      }
+      // The reverse, chunk by chunk from the last.
+      for (int i = 0; i < K * V; ++i) dS[i] = c.h0 ? P.h0[(n * c.HV + hv) * K * V + i] : 0.0;
+      for (int64_t ch = nch - 1; ch >= 0; --ch) {
+        const int64_t ta = 64 * ch, tb = std::min<int64_t>(len, ta + 64);
+        std::vector<std::vector<double>> St(tb - ta + 1);  // St[m]: the state before token ta + m
+        St[0] = Sc[ch];
+        for (int64_t t = ta; t < tb; ++t) {
+          const float* k = tok(t, P.k, c.H, hq, K);
+          const float* v = tok(t, P.v, c.HV, hv, V);
+          const double a = std::exp(double(P.g[(t0 + t) * c.HV + hv])), b = P.beta[(t0 + t) * c.HV + hv];
+          const std::vector<double>& Sp = St[t - ta];
+          std::vector<double> Sn(K * V);
+          std::fill(kS.begin(), kS.end(), 0.0);
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) kS[j] += k[d] * Sp[d * V + j];
+          for (int j = 0; j < V; ++j) u[j] = v[j] - a * kS[j];
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) Sn[d * V + j] = a * Sp[d * V + j] + b * k[d] * u[j];
+          St[t - ta + 1] = std::move(Sn);
+        }
+        for (int64_t t = tb - 1; t >= ta; --t) {
+          const float* q = tok(t, P.q, c.H, hq, K);
+          const float* k = tok(t, P.k, c.H, hq, K);
+          const float* v = tok(t, P.v, c.HV, hv, V);
+          const float* o = tok(t, dO, c.HV, hv, V);
+          const double a = std::exp(double(P.g[(t0 + t) * c.HV + hv])), b = P.beta[(t0 + t) * c.HV + hv];
+          const std::vector<double>& Sp = St[t - ta];
+          const std::vector<double>& Sn = St[t - ta + 1];
+          double* dq = &G.dq[((t0 + t) * c.H + hq) * K];
+          double* dk = &G.dk[((t0 + t) * c.H + hq) * K];
+          for (int d = 0; d < K; ++d) {
+            double x = 0;
+            for (int j = 0; j < V; ++j) x += Sn[d * V + j] * o[j];
+            dq[d] += scale * x;
+          }
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) dS[d * V + j] += scale * q[d] * o[j];
+          std::fill(kS.begin(), kS.end(), 0.0);
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) kS[j] += k[d] * Sp[d * V + j];
+          for (int j = 0; j < V; ++j) u[j] = v[j] - a * kS[j];
+          std::fill(du.begin(), du.end(), 0.0);
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) du[j] += k[d] * dS[d * V + j];
+          double dbeta = 0;
+          for (int j = 0; j < V; ++j) {
+            dbeta += du[j] * u[j];  // k^T dS u
+            du[j] *= b;
+            G.dv[((t0 + t) * c.HV + hv) * V + j] = du[j];
+          }
+          G.dbeta[(t0 + t) * c.HV + hv] = dbeta;
+          double dg = 0, kSdu = 0;
+          for (int d = 0; d < K; ++d) {
+            double dSu = 0, Spdu = 0;
+            for (int j = 0; j < V; ++j) {
+              dSu += dS[d * V + j] * u[j];
+              Spdu += Sp[d * V + j] * du[j];
+              dg += dS[d * V + j] * Sp[d * V + j];
+            }
+            dk[d] += b * dSu - a * Spdu;
+            kSdu += k[d] * Spdu;
+          }
+          G.dg[(t0 + t) * c.HV + hv] = a * (dg - kSdu);
+          for (int d = 0; d < K; ++d)
+            for (int j = 0; j < V; ++j) dS[d * V + j] = a * (dS[d * V + j] - k[d] * du[j]);
+        }
+      }
+      std::copy(dS.begin(), dS.end(), G.dh0.begin() + (n * c.HV + hv) * K * V);
+    }
+}
+
+// The gradients kernel (src/sm90/chunk_grads.cuh, build step 3) after the states pass and the
+// reverse chain at V tile 64 (which leave the chunk operands): each gradient it forms so far (dv,
+// dq) against fp64 references (the forward's states and the token-by-token reverse), into
+// poisoned buffers (every element written), bitwise repeatable. dO is its own random tensor;
+// the initial state's buffer serves as both h0 and d(final state).
+static bool check_grads(const Case& case_, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(case_);
+  make_inputs(P, seed);
+  const Case& c = P.c;  // (T filled in for varlen)
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);
+  std::vector<float> dO(P.v.size());
+  {
+    std::mt19937_64 rng(seed ^ 0x5eed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& x : dO) x = roundto(c.vmag * nd(rng), c.qdt);
+  }
+  void* ddo = nullptr;
+  CK(cudaMalloc(&ddo, std::max<int64_t>(1, c.B * c.T) * P.sv_t * 2));
+  upload16(ddo, dO, c.B * c.T, c.HV * V, P.sv_t, c.qdt);
+  qla::TensorRef d_o = D.p.v;  // (v's layout)
+  d_o.data = ddo;
+  const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * c.HV));
+  const size_t frag_bytes = regions * qla::sm90::test_fragment_layout(6);
+  const size_t dv_elems = static_cast<size_t>(c.B * c.T * c.HV * V), dq_elems = static_cast<size_t>(c.B * c.T * c.H * K);
+  void *frags = nullptr, *dv = nullptr, *dq = nullptr;
+  CK(cudaMalloc(&frags, frag_bytes));
+  CK(cudaMemset(frags, 0x7F, frag_bytes));
+  CK(cudaMalloc(&dv, std::max<size_t>(1, dv_elems) * 2));
+  CK(cudaMalloc(&dq, std::max<size_t>(1, dq_elems) * 2));
+  auto mref = [&](void* x, int64_t heads, int64_t width) {
+    qla::MutTensorRef r;
+    r.data = x;
+    r.dtype = c.qdt;
+    r.stride[0] = c.T * heads * width;
+    r.stride[1] = heads * width;
+    r.stride[2] = width;
+    return r;
+  };
+  qla::MutTensorRef dh0;  // (the reverse's d(initial state), unchecked here)
+  dh0.data = D.p.final_state.data;
+  dh0.dtype = DType::kFloat32;
+  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  std::vector<uint16_t> hv_[2], hq_[2];
+  qla::Status s;
+  for (int call = 0; call < 2; ++call) {
+    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, dv_elems) * 2));  // NaN in bf16 and fp16
+    CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, dq_elems) * 2));
+    s = qla::sm90::test_run_states_pass(D.p, frags);
+    if (s.ok()) s = qla::sm90::test_run_reverse_chain(D.p, d_o, D.p.initial_state, dh0, 64, frags);
+    if (s.ok()) s = qla::sm90::test_run_chunk_grads(D.p, d_o, frags, mref(dv, c.HV, V), mref(dq, c.H, K));
+    if (!s.ok()) break;
+    CK(cudaStreamSynchronize(stream));
+    hv_[call].resize(dv_elems);
+    hq_[call].resize(dq_elems);
+    CK(cudaMemcpy(hv_[call].data(), dv, dv_elems * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hq_[call].data(), dq, dq_elems * 2, cudaMemcpyDeviceToHost));
+  }
+  CK(cudaFree(frags));
+  CK(cudaFree(dv));
+  CK(cudaFree(dq));
+  CK(cudaFree(ddo));
+  if (!s.ok()) { std::printf("%-34s gradients: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  FullGrads G;
+  reference_backward(P, dO, G);
+  L2 ev, eq;
+  for (size_t i = 0; i < dv_elems; ++i) ev.add(from16(hv_[0][i], c.qdt), G.dv[i]);
+  for (size_t i = 0; i < dq_elems; ++i) eq.add(from16(hq_[0][i], c.qdt), G.dq[i]);
+  {  // the reference against the two earlier ones (dv: the reverse alone; dq: the forward's states)
+    std::vector<double> dh0r, o, hT, dqr;
+    ChunkGrads cg;
+    reference_reverse(P, dh0r, &cg, &dO);
+    reference(P, o, hT, nullptr, &dO, &dqr);
+    L2 a, b2, h;
+    for (size_t i = 0; i < dv_elems; ++i) a.add(G.dv[i], cg.dv[i]);
+    for (size_t i = 0; i < dq_elems; ++i) b2.add(G.dq[i], dqr[i]);
+    for (size_t i = 0; i < dh0r.size(); ++i) h.add(G.dh0[i], dh0r[i]);
+    if (a.rel() > 1e-12 || b2.rel() > 1e-12 || h.rel() > 1e-12)
+      std::printf("  reference mismatch: dv %.2e dq %.2e dh0 %.2e\n", a.rel(), b2.rel(), h.rel());
+  }
+  const bool same = hv_[0] == hv_[1] && hq_[0] == hq_[1];
+  const bool ok = !ev.nan && !eq.nan && ev.rel() <= 4e-3 && eq.rel() <= 4e-3 && same;
+  std::printf("grads %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dv %.3e dq %.3e%s%s  %s\n", c.name.c_str(), (long long)P.N,
+              (long long)P.c.T, (long long)c.H, (long long)c.HV, ev.rel(), eq.rel(), ev.nan || eq.nan ? " NaN" : "",
+              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  free_dev(D);
+  return ok;
+}
+
 static std::vector<Case> reverse_cases() {
   std::vector<Case> r;
   auto add = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) -> Case& {
@@ -1072,7 +1320,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
-  bool do_states = false;
+  bool do_states = false, do_grads = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
   for (int i = 1; i < argc; ++i) {
@@ -1087,6 +1335,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--reverse") do_reverse = true;
     if (std::string(argv[i]) == "--states") do_states = true;
+    if (std::string(argv[i]) == "--grads") do_grads = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
   }
@@ -1143,29 +1392,20 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_states) {  // the backward's states pass (test builds), on the reverse chain's cases
+  if (do_reverse || do_reverse_bench || do_states || do_grads) {  // the fused backward's parts (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
-    const std::vector<Case> rc = reverse_cases();
-    for (size_t i = 0; i < rc.size(); ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
-#else
-    std::printf("--states needs a build with -DQLA_SM90_TEST_HOOKS\n");
-    ok = false;
-#endif
-    CK(cudaStreamDestroy(stream));
-    std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
-    return ok ? 0 : 1;
-  }
-  if (do_reverse || do_reverse_bench) {  // the fused backward's reverse chain alone (test builds)
-#ifdef QLA_SM90_TEST_HOOKS
-    const std::vector<Case> rc = do_reverse ? reverse_cases() : std::vector<Case>{};
+    // The backward's cases: the reverse chain at both V tiles, the states pass, the gradients.
+    const std::vector<Case> rc = do_reverse || do_states || do_grads ? reverse_cases() : std::vector<Case>{};
     for (int vt : {64, 128})
-      for (size_t i = 0; i < rc.size(); ++i) ok = check_reverse(rc[i], 7771 + i, stream, vt) && ok;
+      for (size_t i = 0; i < rc.size() && do_reverse; ++i) ok = check_reverse(rc[i], 7771 + i, stream, vt) && ok;
+    for (size_t i = 0; i < rc.size() && do_states; ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
+    for (size_t i = 0; i < rc.size() && do_grads; ++i) ok = check_grads(rc[i], 8771 + i, stream) && ok;
     if (do_reverse_bench) {
       const std::vector<Case> rows = bench_rows();
       for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
     }
 #else
-    std::printf("--reverse needs a build with -DQLA_SM90_TEST_HOOKS\n");
+    std::printf("--reverse, --states and --grads need a build with -DQLA_SM90_TEST_HOOKS\n");
     ok = false;
 #endif
     CK(cudaStreamDestroy(stream));
