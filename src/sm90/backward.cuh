@@ -410,57 +410,6 @@ constexpr size_t kGradSmem = 1024 + kGsMisc + 18 * 64 * 4 + 64 + 3 * 8;
 static_assert(kGradSmem <= 232448, "grads smem over the 227 KiB limit");
 static_assert(kGsB - kGsA == kQKBytes && kGsI + 32768 == kGsJ && kGsK + 8192 == kGsL, "slot sizes");
 
-__device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
-  if (dt == static_cast<int>(DType::kFloat32)) static_cast<float*>(p)[i] = x;
-  else if (dt == static_cast<int>(DType::kBFloat16)) static_cast<cutlass::bfloat16_t*>(p)[i] = cutlass::bfloat16_t(x);
-  else static_cast<cutlass::half_t*>(p)[i] = cutlass::half_t(x);
-}
-
-// Row dots <acc_r, X_(r, c + coff)> for the thread's two rows (r0 = 16 warp + lane/4 and r0 + 8),
-// summed over the quad that holds each row (a partial over the warpgroup's columns). X is a
-// 16-bit image; accumulator pairs are adjacent columns.
-template <class T, class Layout, class Acc, class Coord>
-__device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const T* X, int coff) {
-  float s[2] = {0.f, 0.f};
-  const uint32_t base = smem_u32(X);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(cc(i)), c = get<1>(cc(i)) + coff;
-    uint32_t w;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(base + 2u * img_off<Layout>(const_cast<T*>(X), r, c)));
-    const float2 x = unpack2<T>(w);
-    s[(r >> 3) & 1] += acc(i) * x.x + acc(i + 1) * x.y;
-  }
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
-    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
-  }
-  return make_float2(s[0], s[1]);
-}
-
-// Sums over the rows of a 64 x N fragment's column pairs, added to col[] (shared, this warp's
-// own 64 columns): the 8 row groups of a warp are reduced by shuffles, then one lane per column
-// adds, so every sum is taken in a fixed order (no atomics: the backward is bitwise
-// deterministic); the reader sums the warps' slots in warp order.
-template <class Acc, class Coord>
-__device__ __forceinline__ void add_col_sums(const Acc& v, const Coord& cc, float* col, int coff, int lane) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(v); i += 4) {  // elements i, i+1: row r0; i+2, i+3: row r0+8 (same columns)
-    float a = v(i) + v(i + 2), b = v(i + 1) + v(i + 3);
-    CUTE_UNROLL
-    for (int o = 4; o < 32; o <<= 1) {
-      a += __shfl_xor_sync(0xffffffffu, a, o);
-      b += __shfl_xor_sync(0xffffffffu, b, o);
-    }
-    if (lane < 4) {
-      const int c = get<1>(cc(i)) + coff;
-      col[c] += a;
-      col[c + 1] += b;
-    }
-  }
-}
-
 template <class T>
 __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ GradParams p) {
   using L = Lay<T>;

@@ -5,21 +5,26 @@
 // fragment order (fused_chunks.cuh's kFrag*: S' from the states pass, dSn' and dU' from the
 // reverse chain), and forms the chunk's gradients.
 //
-// Built gradient by gradient, each tested against the fp64 reference as it lands
-// (tests/cuda/sm90_forward_test.cu --grads). Now dv and dq; one synchronous step after another
-// (the pipeline comes once every gradient is right). Two math warpgroups; per value head:
-//   1. loads: V and dO tiles (TMA), the region's Tu' image and gates, this warpgroup's fragment
-//      block (64 rows of v) of S' and dU' straight into registers (they are A operands as they are);
-//   2. units: the tile's dO' = 2^edo dO (largest |dO| near 2^13) and one unit 2^cS for every row of
-//      S and U (cS = the smallest row unit esc_v: the products below contract over v, so rows
-//      must share a unit; a row far below the largest only loses bits it would not add);
-//   3. [rows v] dV^T = 2^-et R_v^-1 dU' Tu'; U recomputed as the forward's lean step:
-//      Y' = S' K'^T, Z = R_v V^T - Y' diag(e^gamma 2^-ek), U' = Z Tu'^T (= 2^et R_v U^T diag(2^-ek));
-//      S and U to shared memory in the common unit (Ss (v, d), Us (v, tok));
-//   4. [rows tokens, columns split between the warpgroups]
-//      dQ  = scale diag(e^gamma) dO S^T + dA K, with dP = dO U^T and dA = scale causal(E o dP)
-//      (dA' = dA diag(2^-ek), in a unit 2^cA, against K' = diag(2^ek) K);
-//   dq summed over the group's value heads in registers, in order (deterministic), stored once.
+// Every gradient of the chunk, tested against an fp64 token-by-token reference
+// (tests/cuda/sm90_forward_test.cu --grads); one synchronous step after another (the pipeline
+// comes once every gradient is right). Two math warpgroups. Operands are fp16 in shared memory,
+// each with a power-of-two unit: per token (q's and k's exponents eq, ek from the region), per
+// row of v (the fragments' esc_v, folded into one common unit before a product contracts over
+// v), or per tile (a CTA max reduction: unit_for). Per value head of the group:
+//   1. loads: V and dO tiles (TMA), the region's Tu' image and gates, the T' image, this
+//      warpgroup's fragment blocks (64 rows of v) of S', dSn' and dU' into registers;
+//   2. [rows v] dV^T = 2^-et R_v^-1 dU' Tu'; U recomputed as the forward's lean step
+//      (Y' = S' K'^T, Z = R_v V^T - Y' diag(e^gamma 2^-ek), U' = Z Tu'^T); S, U, dU and dSn to
+//      shared memory in common units;
+//   3. [rows tokens; the warpgroups split the columns] the equations (B16)-(B33) of
+//      docs/backward.md, with Tm = diag(2^ek) T' diag(2^-ek):
+//        dP = dO U^T, dA = scale causal(E o dP), dQ = scale diag(e^gamma) dO S^T + dA K,
+//        dK_P = dA^T Q, dK_d = diag(e^(Gamma - gamma)) U dSn^T, dW = -dU S^T,
+//        dVb = Tm^T dU, dKb = Tm^T dW, dK_b = diag(beta e^gamma) dKb,
+//        dL = strict(-(dVb Uv^T + dKb W^T)) with Uv = Tu V and W = Tu diag(e^gamma) K,
+//        dM = E o dL, dK_L = diag(beta) dM K + dM^T diag(beta) K,
+//        dbeta, and dg from the row dots and R = strict(dP o P) + dL o L (B29-B33);
+//   dq and dk summed over the group's value heads in registers, in order (deterministic).
 #pragma once
 
 #include "fused_chunks.cuh"
@@ -29,31 +34,44 @@ namespace sm90 {
 namespace {
 
 struct ChunkGradParams {
-  CUtensorMap tmk, tmv, tmdo;  // k, v, dO as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
+  CUtensorMap tmq, tmk, tmv, tmdo;  // q, k, v, dO as (d, head, token, batch), box (64, 1, 64, 1), 128-byte swizzle
   SeqDesc sd;
   const int* chunk_off;  // the chunk table (gdn_chunk_table)
   const void* regions;   // the inverse kernel's regions
+  const void* tm;        // the inverse kernel's T' images (8 KiB per region)
   const void* frags;     // the chunk operands (kFragRegionBytes per region)
+  const void* beta;
+  int64_t sb[2];
+  int b_dt;
   int N, H, HV;
   float scale;
+  void *dq, *dk;  // (b, t, q/k head, d), the dtype of q
+  int64_t sdq[3], sdk[3];
   void* dv;  // (b, t, value head, v), the dtype of v
   int64_t sdv[3];
-  void* dq;  // (b, t, q/k head, d), the dtype of q
-  int64_t sdq[3];
+  void *dg, *dbeta;  // (b, t, value head)
+  int64_t sdg[2], sdb[2];
+  int dg_dt, db_dt;
 };
 
-// Shared memory (byte offsets from the 1 KiB aligned base).
-constexpr uint32_t kGrK = 0;                    // K tile (TMA, Lay::TokD_K), then K' = 2^ek K in fp16
-constexpr uint32_t kGrV = kGrK + kQKBytes;      // V tile (TMA, two 64-column boxes)
-constexpr uint32_t kGrO = kGrV + kQKBytes;      // dO tile (TMA), then dO' = 2^edo dO in fp16
-constexpr uint32_t kGrTu = kGrO + kQKBytes;     // the region's Tu' image (TokTok_K)
-constexpr uint32_t kGrS = kGrTu + kImgTokTok * 2;  // Ss (v, d) fp16, QK_K: 2^cS S^T
-constexpr uint32_t kGrU = kGrS + 2 * kQKBytes;  // Us (v, tok) fp16, TW_K: 2^(et + cS) U^T diag(2^-ek)
-constexpr uint32_t kGrA = kGrU + kQKBytes;      // dA' (i, j) fp16, TokTok_K: 2^cA dA diag(2^-ek)
-constexpr uint32_t kGrMisc = kGrA + kImgTokTok * 2;  // gamma, e^gamma, e^gamma 2^-ek (fp32 x 64 each),
-                                                     // 16 reduction slots, 2 mbarriers
+// Shared memory (byte offsets from the 1 KiB aligned base), reused as the contents die:
+constexpr uint32_t kGrK = 0;                         // K' = 2^ek K (fp16, Lay::TokD_K), the CTA's
+constexpr uint32_t kGrQ = kGrK + kQKBytes;           // Q' = 2^eq Q, the CTA's
+constexpr uint32_t kGrV = kGrQ + kQKBytes;           // V (TMA), then Vs = 2^ev V
+constexpr uint32_t kGrO = kGrV + kQKBytes;           // dO (TMA), dO' = 2^edo dO; then dWs
+constexpr uint32_t kGrTu = kGrO + kQKBytes;          // the region's Tu' image
+constexpr uint32_t kGrTm = kGrTu + kImgTokTok * 2;   // the region's T' image
+constexpr uint32_t kGrS = kGrTm + kImgTokTok * 2;    // Ss (v, d) QK_K; then dVbs | dKbs (TokD_K each)
+constexpr uint32_t kGrU = kGrS + 2 * kQKBytes;       // Us (v, tok) TW_K; then Kw (TokD_K)
+constexpr uint32_t kGrA = kGrU + kQKBytes;           // dA'' (i, j) TokTok_K; then dM''
+constexpr uint32_t kGrDU = kGrA + kImgTokTok * 2;    // dUs (v, tok) TW_K; then Ws (TokD_K)
+constexpr uint32_t kGrD = kGrDU + kQKBytes;          // Ds (v, d) QK_K; then Uvs | BK' (TokD_K each)
+constexpr uint32_t kGrMisc = kGrD + 2 * kQKBytes;
+// Misc floats: gamma, e^gamma, e^gamma 2^-ek, e^(Gamma - gamma), beta (x 64 each); 24 reduction
+// slots; per warpgroup the row partials a, x, dbeta (x 64 each); per warp the column sums of R.
+constexpr int kGrMiscFloats = 5 * kC + 24 + 2 * 3 * kC + 8 * kC;
 constexpr int kGradThreads = 256;  // two math warpgroups
-constexpr size_t kGradSmemBytes = 1024 + kGrMisc + 3 * kC * 4 + 16 * 4 + 2 * 8;
+constexpr size_t kGradSmemBytes = 1024 + kGrMisc + kGrMiscFloats * 4 + 2 * 8;
 static_assert(kGradSmemBytes <= 232448, "gradients smem over the 227 KiB limit");
 
 using GrTW_MN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::half_t>{}, Shape<_64, _128>{},
@@ -80,34 +98,46 @@ __device__ __forceinline__ void load_fragments(R16& r16, const uint8_t* src, int
   }
 }
 
-// CTA-wide max of x >= 0 and min of e (every thread gets both), through slots red[0..15].
-__device__ __forceinline__ void cta_max_min(float& x, int& e, float* red, int tid) {
+// CTA-wide max of x >= 0 and min of e0, e1 (every thread gets them), through slots red[0..23].
+__device__ __forceinline__ void cta_reduce(float& x, int& e0, int& e1, float* red, int tid) {
   CUTE_UNROLL
   for (int o = 16; o > 0; o >>= 1) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    e = min(e, __shfl_xor_sync(0xffffffffu, e, o));
+    e0 = min(e0, __shfl_xor_sync(0xffffffffu, e0, o));
+    e1 = min(e1, __shfl_xor_sync(0xffffffffu, e1, o));
   }
+  int* ired = reinterpret_cast<int*>(red);
   __syncthreads();  // the slots' previous readers are done
   if ((tid & 31) == 0) {
     red[tid >> 5] = x;
-    reinterpret_cast<int*>(red)[8 + (tid >> 5)] = e;
+    ired[8 + (tid >> 5)] = e0;
+    ired[16 + (tid >> 5)] = e1;
   }
   __syncthreads();
   x = red[0];
-  e = reinterpret_cast<const int*>(red)[8];
+  e0 = ired[8];
+  e1 = ired[16];
   CUTE_UNROLL
   for (int w = 1; w < kGradThreads / 32; ++w) {
     x = fmaxf(x, red[w]);
-    e = min(e, reinterpret_cast<const int*>(red)[8 + w]);
+    e0 = min(e0, ired[8 + w]);
+    e1 = min(e1, ired[16 + w]);
   }
+}
+// The CTA-wide max of x >= 0.
+__device__ __forceinline__ float cta_max(float x, float* red, int tid) {
+  int a = 0, b = 0;
+  cta_reduce(x, a, b, red, tid);
+  return x;
 }
 
 // The exponent that brings a largest magnitude m into [2^13, 2^14) (0 for m = 0).
 __device__ __forceinline__ int unit_for(float m) { return m > 0.f ? 13 - float_exponent(m) : 0; }
 
-// One synchronous wgmma batch acc (+)= A B, both from shared memory.
-template <class MMA, class TA, class TB, class Acc>
-__device__ __forceinline__ void grad_mma_ss(MMA& mma, int wt, const TA& sA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
+// One synchronous wgmma batch acc (+)= A B, both from shared memory (16-bit, majors from the views).
+template <int N, GMMA::Major kA, GMMA::Major kB, class TA, class TB, class Acc>
+__device__ __forceinline__ void grad_ss(int wt, const TA& sA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
+  auto mma = make_tiled_mma(GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, Int<N>, _16>, kA, kB>());
   auto thr = mma.get_thread_slice(wt);
   Tensor rA = thr.partition_fragment_A(sA);
   Tensor rB = thr.partition_fragment_B(sB);
@@ -121,7 +151,7 @@ __device__ __forceinline__ void grad_mma_ss(MMA& mma, int wt, const TA& sA, cons
 
 // As above with a register A operand (fp16, accumulator order).
 template <class MMA, class RA, class TB, class Acc>
-__device__ __forceinline__ void grad_mma_rs(MMA& mma, int wt, RA& rA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
+__device__ __forceinline__ void grad_rs(MMA& mma, int wt, RA& rA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
   auto thr = mma.get_thread_slice(wt);
   Tensor rB = thr.partition_fragment_B(sB);
   warpgroup_fence_operand(rA);
@@ -133,19 +163,78 @@ __device__ __forceinline__ void grad_mma_rs(MMA& mma, int wt, RA& rA, const TB& 
   warpgroup_fence_operand(acc);
 }
 
+// A 64 x 128 TokD_K tile of 16-bit T in place to fp16 times 2^e[row] (rows past len zeroed).
+template <class T>
+__device__ __forceinline__ void tile_to_fp16(uint8_t* tile, const int8_t* e, int len, int tid) {
+  for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+    const int r = (u & 511) >> 3;  // a 16-byte run lies in one row: row (u % 512) / 8
+    const uint32_t a = smem_u32(tile) + 16u * u;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (r < len) {
+      x = lds_u128(a);
+      uint32_t* px = &x.x;
+      const float sc = pow2i(e[r]);
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(px[i]);
+        px[i] = pack2<cutlass::half_t>(f.x * sc, f.y * sc);
+      }
+    }
+    sts128(a, x);
+  }
+}
+
+// A 64 x 128 TokD_K tile of 16-bit T in place to fp16 in one unit (its largest |value| near 2^13;
+// rows past len zeroed); returns the unit's exponent.
+template <class T>
+__device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid, float* red) {
+  constexpr int kRuns = kQKBytes / 16 / kGradThreads;
+  uint4 x[kRuns];
+  float m = 0.f;
+  CUTE_UNROLL
+  for (int k = 0; k < kRuns; ++k) {
+    const int u = tid + kGradThreads * k;
+    x[k] = ((u & 511) >> 3) < len ? lds_u128(smem_u32(tile) + 16u * u) : make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t* px = &x[k].x;
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = unpack2<T>(px[i]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  const int e = unit_for(cta_max(m, red, tid));  // (its barriers also order the reads before the writes)
+  const float sc = pow2i(e);
+  CUTE_UNROLL
+  for (int k = 0; k < kRuns; ++k) {
+    uint32_t* px = &x[k].x;
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = unpack2<T>(px[i]);
+      px[i] = pack2<cutlass::half_t>(f.x * sc, f.y * sc);
+    }
+    sts128(smem_u32(tile) + 16u * (tid + kGradThreads * k), x[k]);
+  }
+  return e;
+}
+
 template <class T>
 __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __grid_constant__ ChunkGradParams p) {
   using H = cutlass::half_t;
   using LH = Lay<H>;
+  using MK = GMMA::Major;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
   float* sGam = reinterpret_cast<float*>(sm + kGrMisc);
   float* sEg = sGam + kC;
   float* sEgZ = sEg + kC;  // e^gamma 2^-ek
-  float* sRed = sEgZ + kC;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(sRed + 16);  // [0]: K, [1]: V and dO
-  const int tid = threadIdx.x, mw = tid >> 7, wt = tid & 127;
+  float* sEgk = sEgZ + kC;  // e^(Gamma - gamma)
+  float* sBeta = sEgk + kC;
+  float* sRed = sBeta + kC;
+  float* sPart = sRed + 24;       // [2 warpgroups][a, x, dbeta][64]
+  float* sColR = sPart + 6 * kC;  // [8 warps][64]: column sums of R
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sColR + 8 * kC);  // [0]: Q, K; [1]: V, dO
+  const int tid = threadIdx.x, mw = tid >> 7, wt = tid & 127, warp = tid >> 5, lane = tid & 31;
   const int ci = blockIdx.x, hq = blockIdx.y;
   wait_for_previous_kernels();  // the regions and the chunk operands
   if (p.chunk_off[p.N + 1] || ci >= p.chunk_off[p.N]) return;
@@ -154,33 +243,69 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
   region_tokens(p, ci, b, t0, len);  // the chunk's batch row, first token and length
   const int group = p.HV / p.H;
   const int tok = static_cast<int>(t0), bb = static_cast<int>(b);
-  // k's exponents (any value head's region of the chunk has them: the group's first).
-  const int8_t* kexp = reinterpret_cast<const int8_t*>(static_cast<const uint8_t*>(p.regions) +
-                                                       (static_cast<size_t>(ci) * p.HV + hq * group) * kInvRegionBytes + kInvKexp);
+  // k's and q's exponents (any value head's region of the chunk has them: the group's first).
+  const uint8_t* reg0 = static_cast<const uint8_t*>(p.regions) + (static_cast<size_t>(ci) * p.HV + hq * group) * kInvRegionBytes;
+  const int8_t* kexp = reinterpret_cast<const int8_t*>(reg0 + kInvKexp);
+  const int8_t* qexp = reinterpret_cast<const int8_t*>(reg0 + kInvQexp);
   if (tid == 0) {
     mbar_init(&bar[0], 1);
     mbar_init(&bar[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    mbar_expect_tx(&bar[0], kQKBytes);
+    mbar_expect_tx(&bar[0], 2 * kQKBytes);
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) tma_load_4d(sm + kGrK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &bar[0]);
+    for (int h = 0; h < 2; ++h) {
+      tma_load_4d(sm + kGrK + h * kQKBytes / 2, &p.tmk, h * 64, hq, tok, bb, &bar[0]);
+      tma_load_4d(sm + kGrQ + h * kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, &bar[0]);
+    }
   }
 
-  auto tTokD = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + off)), typename LH::TokD_K{}); };
-  // Each 16-byte run of a 64 x 128 TokD_K tile lies within one row: row (u % 512) / 8 of run u.
-  auto run_row = [](int u) { return (u & 511) >> 3; };
-  const int row0 = 16 * (wt >> 5) + ((wt & 31) >> 2);  // this thread's accumulator rows: row0, row0 + 8
-  Tensor dqAcc = partition_fragment_C(
-      make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::MN>()),
-      Shape<_64, _64>{});  // dq (tok, d) of this warpgroup's 64 columns
+  auto hp = [&](uint32_t off) { return reinterpret_cast<H*>(sm + off); };
+  auto tokd = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), typename LH::TokD_K{}); };    // (tok, d|v)
+  auto dtok = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), typename LH::DTok_MN{}); };   // (d|v, tok)
+  auto tt = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), typename LH::TokTok_K{}); };    // (i, j)
+  auto ttT = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), typename LH::TokTok_MN{}); };  // (j, i)
+  auto vd = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), QK_K{}); };     // (v, d)
+  auto dv_ = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), QK_MN{}); };   // (d, v)
+  auto vt = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), TW_K{}); };     // (v, tok)
+  auto tv = [&](uint32_t off) { return make_tensor(make_smem_ptr(hp(off)), GrTW_MN{}); };  // (tok, v)
+  // This warpgroup's column half of a B operand (N = 64 of 128, or 32 of 64).
+  auto h64 = [&](auto t) { return local_tile(t, make_shape(Int<64>{}, size<1>(t)), make_coord(mw, 0)); };
+  auto h32 = [&](auto t) { return local_tile(t, make_shape(Int<32>{}, size<1>(t)), make_coord(mw, 0)); };
+
+  const int row0 = 16 * (wt >> 5) + (lane >> 2);  // this thread's accumulator rows: row0, row0 + 8
+  const int c64 = 64 * mw, c32 = 32 * mw;          // this warpgroup's first column
+  Tensor cc = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, MK::K, MK::K>())
+                  .get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+  Tensor c32t = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _32, _16>, MK::K, MK::K>())
+                    .get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _32>{}));
+  using Acc64 = decltype(partition_fragment_C(make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, MK::K, MK::K>()), Shape<_64, _64>{}));
+  using Acc32 = decltype(partition_fragment_C(make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _32, _16>, MK::K, MK::K>()), Shape<_64, _32>{}));
+  Acc64 dqAcc, dkAcc;  // dq, dk (tok, d) of this warpgroup's 64 columns, summed over the group
   clear(dqAcc);
+  clear(dkAcc);
+  // Row partials of this thread's two rows (quad-reduced), and their sum over the warpgroups.
+  auto put_rows = [&](int q, float2 v) {
+    if ((lane & 3) == 0) {
+      sPart[(mw * 3 + q) * kC + row0] = v.x;
+      sPart[(mw * 3 + q) * kC + row0 + 8] = v.y;
+    }
+  };
+  auto quad2 = [&](float2 v) {
+    CUTE_UNROLL
+    for (int o = 1; o < 4; o <<= 1) {
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+    }
+    return v;
+  };
+  auto fac2 = [&](const float* x) { return make_float2(x[row0], x[row0 + 8]); };
 
   for (int gi = 0; gi < group; ++gi) {
     const int hv = hq * group + gi;
     const size_t region = static_cast<size_t>(ci) * p.HV + hv;
     const uint8_t* regb = static_cast<const uint8_t*>(p.regions) + region * kInvRegionBytes;
     const uint8_t* fb = static_cast<const uint8_t*>(p.frags) + region * kFragRegionBytes + mw * kFragBlockBytes;
-    __syncthreads();  // every read of the previous value head's tiles is done
+    __syncthreads();  // every read of the previous value head's shared memory is done
     if (tid == 0) {
       fence_async_smem();
       mbar_expect_tx(&bar[1], 2 * kQKBytes);
@@ -190,65 +315,54 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         tma_load_4d(sm + kGrO + h * kQKBytes / 2, &p.tmdo, h * 64, hv, tok, bb, &bar[1]);
       }
     }
-    for (int k = tid; k < kImgTokTok * 2 / 16; k += kGradThreads)
+    for (int k = tid; k < kImgTokTok * 2 / 16; k += kGradThreads) {
       reinterpret_cast<uint4*>(sm + kGrTu)[k] = reinterpret_cast<const uint4*>(regb + kInvImg)[k];
+      reinterpret_cast<uint4*>(sm + kGrTm)[k] = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.tm) + region * (kImgTokTok * 2))[k];
+    }
     if (tid < kC) {
       sGam[tid] = reinterpret_cast<const float*>(regb + kInvGam)[tid];
       const float eg = reinterpret_cast<const float*>(regb + kInvEg)[tid];
       sEg[tid] = eg;
       sEgZ[tid] = eg * pow2i(-kexp[tid]);
+      sEgk[tid] = reinterpret_cast<const float*>(regb + kInvEgk)[tid];
+      sBeta[tid] = tid < len ? bits_value(load_bits(p.beta, p.b_dt, b * p.sb[0] + (t0 + tid) * p.sb[1] + hv), p.b_dt) : 0.f;
     }
+    for (int i = tid; i < 8 * kC; i += kGradThreads) sColR[i] = 0.f;
     const int et = *reinterpret_cast<const int*>(regb + kInvTuExp);
-    Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // S' (v, d)
-    Tensor rU16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // dU' (v, tok)
-    load_fragments(rS16, fb + kFragS, wt);
-    load_fragments(rU16, fb + kFragDU, wt);
-    const int escS[2] = {reinterpret_cast<const int*>(fb + kFragEscS)[row0], reinterpret_cast<const int*>(fb + kFragEscS)[row0 + 8]};
-    const int escU[2] = {reinterpret_cast<const int*>(fb + kFragEsc)[row0], reinterpret_cast<const int*>(fb + kFragEsc)[row0 + 8]};
-
-    if (gi == 0) {  // K' = 2^ek K in fp16 in place, rows past the end zeroed (once per CTA)
+    const float eGamma = *reinterpret_cast<const float*>(regb + kInvEG);
+    const int* escSp = reinterpret_cast<const int*>(fb + kFragEscS);
+    const int* escUp = reinterpret_cast<const int*>(fb + kFragEsc);
+    const int escS[2] = {escSp[row0], escSp[row0 + 8]}, escU[2] = {escUp[row0], escUp[row0 + 8]};
+    if (gi == 0) {  // K', Q' in fp16 in place, rows past the end zeroed (once per CTA)
       mbar_wait(&bar[0], 0);
-      for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
-        const int r = run_row(u);
-        const uint32_t a = smem_u32(sm + kGrK) + 16u * u;
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (r < len) {
-          x = lds_u128(a);
-          uint32_t* px = &x.x;
-          const float sc = pow2i(kexp[r]);
-          CUTE_UNROLL
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = unpack2<T>(px[i]);
-            px[i] = pack2<H>(f.x * sc, f.y * sc);
-          }
-        }
-        sts128(a, x);
-      }
+      tile_to_fp16<T>(sm + kGrK, kexp, len, tid);
+      tile_to_fp16<T>(sm + kGrQ, qexp, len, tid);
     }
-    // dO's unit and the common unit of S and U rows (one reduction); rows past the end zeroed.
     mbar_wait(&bar[1], gi & 1);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sm + kGrV + h * kQKBytes / 2), len, tid, kGradThreads);
-    uint4 od[kQKBytes / 16 / kGradThreads];
-    float m = 0.f;
+    // dO's unit, and the common units of the rows of S (cS) and of dU, dSn (cU).
+    int cS = min(escS[0], escS[1]), cU = min(escU[0], escU[1]);
+    float mdo = 0.f;
+    constexpr int kRuns = kQKBytes / 16 / kGradThreads;
+    uint4 od[kRuns];
     CUTE_UNROLL
-    for (int k = 0; k < kQKBytes / 16 / kGradThreads; ++k) {
+    for (int k = 0; k < kRuns; ++k) {
       const int u = tid + kGradThreads * k;
-      od[k] = run_row(u) < len ? lds_u128(smem_u32(sm + kGrO) + 16u * u) : make_uint4(0u, 0u, 0u, 0u);
+      od[k] = ((u & 511) >> 3) < len ? lds_u128(smem_u32(sm + kGrO) + 16u * u) : make_uint4(0u, 0u, 0u, 0u);
       const uint32_t* px = &od[k].x;
       CUTE_UNROLL
       for (int i = 0; i < 4; ++i) {
         const float2 f = unpack2<T>(px[i]);
-        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        mdo = fmaxf(mdo, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
     }
-    int cS = min(escS[0], escS[1]);
-    cta_max_min(m, cS, sRed, tid);
-    const int edo = unit_for(m);
+    cta_reduce(mdo, cS, cU, sRed, tid);
+    const int edo = unit_for(mdo);
     {
       const float sc = pow2i(edo);
       CUTE_UNROLL
-      for (int k = 0; k < kQKBytes / 16 / kGradThreads; ++k) {
+      for (int k = 0; k < kRuns; ++k) {
         uint32_t* px = &od[k].x;
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) {
@@ -259,106 +373,354 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       }
     }
     fence_async_smem();
-    __syncthreads();  // K', dO', Tu', the gates and the zeroed V rows, before any product reads them
+    __syncthreads();  // K', Q', dO', Tu', T', the gates and the zeroed V rows
 
-    // ---- rows v: dV^T, then U recomputed; S and U to shared memory in the unit 2^cS ----
+    // ---- rows v (this warpgroup's fragment block): dV^T, U; S, U, dU, dSn to shared memory ----
     {
-      auto mmaV = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::MN>{});  // B = Tu' as (j, i)
-      auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});   // B = K' (j, d), Tu' (i, j)
+      Tensor rS16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // S' (v, d), then dSn'
+      Tensor rU16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // dU' (v, tok)
+      load_fragments(rU16, fb + kFragDU, wt);
+      auto mmaV = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<MK::K, MK::MN>{});  // B = Tu' as (j, i)
+      auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<MK::K, MK::K>{});   // B = K' (j, d), Tu' (i, j)
       Tensor acc = partition_fragment_C(mmaV, Shape<_64, _64>{});
       Tensor cA = mmaV.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
-      Tensor tTu = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrTu)), typename LH::TokTok_K{});
-      Tensor tTuT = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrTu)), typename LH::TokTok_MN{});
       // dV^T = 2^-et R_v^-1 dU' Tu'.
-      grad_mma_rs(mmaV, wt, rU16, tTuT, acc, GMMA::ScaleOut::Zero);
+      grad_rs(mmaV, wt, rU16, ttT(kGrTu), acc, GMMA::ScaleOut::Zero);
       {
         const float uf[2] = {pow2i(-et - escU[0]), pow2i(-et - escU[1])};
-        T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2] + 64 * mw;
+        T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2] + c64;
         CUTE_UNROLL
         for (int i = 0; i < size(acc); ++i) {
           const int v = get<0>(cA(i)), t = get<1>(cA(i));
           if (t < len) dvg[(t0 + t) * p.sdv[1] + v] = T(acc(i) * uf[acc_half(i)]);
         }
       }
-      // Ss = 2^(cS - escS_v) S' (rows 64 mw ..).
+      const float uu[2] = {pow2i(cU - escU[0]), pow2i(cU - escU[1])};
+      auto rows = [&](auto t) { return local_tile(t, make_shape(Int<64>{}, size<1>(t)), make_coord(mw, 0)); };
+      Tensor tdU = rows(vt(kGrDU));
+      stmatrix_rows<64>(tdU, wt, [&](int i) { return static_cast<float>(rU16(i)) * uu[acc_half(i)]; });
+      load_fragments(rS16, fb + kFragS, wt);
       const float su[2] = {pow2i(cS - escS[0]), pow2i(cS - escS[1])};
-      Tensor tS = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrS)), QK_K{}), Shape<_64, _128>{},
-                             make_coord(mw, 0));
+      Tensor tS = rows(vd(kGrS));
       stmatrix_rows<128>(tS, wt, [&](int i) { return static_cast<float>(rS16(i)) * su[acc_half(i)]; });
       // Y' = S' K'^T, Z = R_v V^T - Y' diag(e^gamma 2^-ek), U' = Z Tu'^T.
-      grad_mma_rs(mmaL, wt, rS16, tTokD(kGrK), acc, GMMA::ScaleOut::Zero);
+      grad_rs(mmaL, wt, rS16, tokd(kGrK), acc, GMMA::ScaleOut::Zero);
       uint32_t vp[16];
       load_vt_pairs(reinterpret_cast<const T*>(sm + kGrV) + mw * kC * 64, wt, vp);
       Tensor rZ16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});
       const float rs[2] = {pow2i(escS[0]), pow2i(escS[1])};
       form_z<T>(acc, cA, vp, sEgZ, rs, rZ16);
-      grad_mma_rs(mmaL, wt, rZ16, tTu, acc, GMMA::ScaleOut::Zero);
-      Tensor tU = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrU)), TW_K{}), Shape<_64, _64>{},
-                             make_coord(mw, 0));
+      grad_rs(mmaL, wt, rZ16, tt(kGrTu), acc, GMMA::ScaleOut::Zero);
+      Tensor tU = rows(vt(kGrU));
       stmatrix_rows<64>(tU, wt, [&](int i) { return acc(i) * su[acc_half(i)]; });
+      load_fragments(rS16, fb + kFragDSn, wt);  // dSn'
+      Tensor tD = rows(vd(kGrD));
+      stmatrix_rows<128>(tD, wt, [&](int i) { return static_cast<float>(rS16(i)) * uu[acc_half(i)]; });
     }
     fence_async_smem();
-    __syncthreads();  // Ss and Us complete
+    __syncthreads();  // Ss, Us, dUs, Ds
 
-    // ---- rows tokens: dq; warpgroup mw takes columns 64 mw .. of d (32 mw .. of dP's j) ----
+    // ---- rows tokens: this warpgroup's columns c64 .. of d or v, c32 .. of j ----
+    float2 aR = make_float2(0.f, 0.f), xR = aR, dbR = aR, rR = aR;  // a, x, dbeta, R's row sums
+    const float2 ekr = make_float2(pow2i(kexp[row0]), pow2i(kexp[row0 + 8]));     // 2^ek of my rows
+    const float2 ekri = make_float2(pow2i(-kexp[row0]), pow2i(-kexp[row0 + 8]));  // 2^-ek
+    const float2 eqr = make_float2(pow2i(qexp[row0]), pow2i(qexp[row0 + 8]));
+    const float2 eqri = make_float2(pow2i(-qexp[row0]), pow2i(-qexp[row0 + 8]));
+    auto rh = [](float2 v, int i) { return acc_half(i) ? v.y : v.x; };
+    Acc64 acc;
+    Acc32 a32, b32;
+    // dq1 = scale e^gamma_i 2^-(edo + cS) dO' Ss^T; a_i += <dq1_i, Q_i>.
+    grad_ss<64, MK::K, MK::MN>(wt, tokd(kGrO), h64(dv_(kGrS)), acc, GMMA::ScaleOut::Zero);
     {
-      auto mmaQ = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::MN>());
-      auto mmaP = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _32, _16>, GMMA::Major::K, GMMA::Major::MN>());
-      Tensor acc = partition_fragment_C(mmaQ, Shape<_64, _64>{});
-      Tensor cQ = mmaQ.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
-      // dq += scale e^gamma_i 2^-(edo + cS) dO' Ss^T.
-      Tensor tSd = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrS)), QK_MN{}), Shape<_64, _128>{},
-                              make_coord(mw, 0));  // (d, v)
-      grad_mma_ss(mmaQ, wt, tTokD(kGrO), tSd, acc, GMMA::ScaleOut::Zero);
-      const float qf = p.scale * pow2i(-edo - cS);
-      const float eq[2] = {sEg[row0] * qf, sEg[row0 + 8] * qf};
+      const float f = p.scale * pow2i(-edo - cS);
+      const float2 eg = fac2(sEg);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i) dqAcc(i) += eq[acc_half(i)] * acc(i);
-      // dP = 2^-(edo + et + cS) diag(2^ek) dO' Us^T ... as dA' = scale causal(E o dP) diag(2^-ek).
-      Tensor accP = partition_fragment_C(mmaP, Shape<_64, _32>{});
-      Tensor cP = mmaP.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _32>{}));
-      Tensor tUj = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrU)), GrTW_MN{}), Shape<_32, _128>{},
-                              make_coord(mw, 0));  // (j, v)
-      grad_mma_ss(mmaP, wt, tTokD(kGrO), tUj, accP, GMMA::ScaleOut::Zero);
-      const float pf = p.scale * pow2i(-edo - et - cS);
-      float ma = 0.f;
+      for (int i = 0; i < size(acc); ++i) acc(i) *= f * rh(eg, i);
       CUTE_UNROLL
-      for (int i = 0; i < size(accP); ++i) {
-        const int r = get<0>(cP(i)), j = get<1>(cP(i)) + 32 * mw;
+      for (int i = 0; i < size(acc); ++i) dqAcc(i) += acc(i);
+      const float2 d = row_dot<H, typename LH::TokD_K>(acc, cc, hp(kGrQ), c64);
+      aR.x += d.x * eqri.x;
+      aR.y += d.y * eqri.y;
+    }
+    // P = scale causal(E o Q K^T) and dP = dO U^T (this warpgroup's 32 columns j);
+    // R1 = strict(dP o P); dA'' = 2^cA 2^-eq_i dA 2^-ek_j, dA = scale causal(E o dP).
+    grad_ss<32, MK::K, MK::K>(wt, tokd(kGrQ), h32(tokd(kGrK)), a32, GMMA::ScaleOut::Zero);
+    grad_ss<32, MK::K, MK::MN>(wt, tokd(kGrO), h32(tv(kGrU)), b32, GMMA::ScaleOut::Zero);
+    float ma = 0.f;
+    {
+      const float fp = pow2i(-edo - et - cS);
+      Acc32 rr;
+      CUTE_UNROLL
+      for (int i = 0; i < size(b32); ++i) {
+        const int r = get<0>(c32t(i)), j = get<1>(c32t(i)) + c32;
         const bool causal = r < len && r >= j;
-        accP(i) = causal ? pf * exp2f(fminf(sGam[r] - sGam[j], 0.f) * kLog2e) * accP(i) : 0.f;
-        ma = fmaxf(ma, fabsf(accP(i)));
+        const float E = causal ? exp2f(fminf(sGam[r] - sGam[j], 0.f) * kLog2e) : 0.f;
+        const float ekj = pow2i(kexp[j]);
+        const float dp = b32(i) * fp * ekj;  // dP
+        const float pv = p.scale * E * a32(i) * rh(eqri, i) * pow2i(-kexp[j]);  // P
+        rr(i) = causal && r > j ? dp * pv : 0.f;
+        b32(i) = p.scale * E * dp * rh(eqri, i) * pow2i(-kexp[j]);  // 2^-eq_i dA 2^-ek_j
+        ma = fmaxf(ma, fabsf(b32(i)));
       }
-      int unused = 0;
-      cta_max_min(ma, unused, sRed, tid);
-      const int cA = unit_for(ma);
-      const float af = pow2i(cA);
-      Tensor tA = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrA)), typename LH::TokTok_K{}),
-                             Shape<_64, _32>{}, make_coord(0, mw));
-      stmatrix_rows<32>(tA, wt, [&](int i) { return accP(i) * af; });
-      fence_async_smem();
-      __syncthreads();  // dA' complete
-      // dq += 2^-cA dA' K'.
-      Tensor tKd = local_tile(make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrK)), typename LH::DTok_MN{}),
-                              Shape<_64, _64>{}, make_coord(mw, 0));  // (d, j)
-      Tensor tAij = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kGrA)), typename LH::TokTok_K{});
-      grad_mma_ss(mmaQ, wt, tAij, tKd, acc, GMMA::ScaleOut::Zero);
-      const float kf = pow2i(-cA);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i) dqAcc(i) += kf * acc(i);
-      (void)cQ;
+      for (int i = 0; i < size(rr); i += 2) {
+        if (acc_half(i)) rR.y += rr(i) + rr(i + 1);
+        else rR.x += rr(i) + rr(i + 1);
+      }
+      add_col_sums(rr, c32t, sColR + warp * kC, c32, lane);
+    }
+    const int cA = unit_for(cta_max(ma, sRed, tid));
+    {
+      const float af = pow2i(cA);
+      Tensor tA = local_tile(tt(kGrA), Shape<_64, _32>{}, make_coord(0, mw));
+      stmatrix_rows<32>(tA, wt, [&](int i) { return b32(i) * af; });
+    }
+    fence_async_smem();
+    __syncthreads();  // dA''; dO' is dead: dWs takes its bytes
+    // dq += 2^(eq_i - cA) dA'' K'.
+    grad_ss<64, MK::K, MK::MN>(wt, tt(kGrA), h64(dtok(kGrK)), acc, GMMA::ScaleOut::Zero);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) dqAcc(i) += acc(i) * rh(eqr, i) * pow2i(-cA);
+    // dk += 2^(ek_j - cA) dA''^T Q'.
+    grad_ss<64, MK::MN, MK::MN>(wt, ttT(kGrA), h64(dtok(kGrQ)), acc, GMMA::ScaleOut::Zero);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) dkAcc(i) += acc(i) * rh(ekr, i) * pow2i(-cA);
+    // dK_d = e^(Gamma - gamma_j) 2^ek_j 2^-(et + cS + cU) Us^T Ds; x_j = <dK_d_j, K_j>.
+    grad_ss<64, MK::MN, MK::MN>(wt, tv(kGrU), h64(dv_(kGrD)), acc, GMMA::ScaleOut::Zero);
+    {
+      const float f = pow2i(-et - cS - cU);
+      const float2 egk = fac2(sEgk);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) acc(i) *= f * rh(egk, i) * rh(ekr, i);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) dkAcc(i) += acc(i);
+      const float2 d = row_dot<H, typename LH::TokD_K>(acc, cc, hp(kGrK), c64);
+      xR.x += d.x * ekri.x;
+      xR.y += d.y * ekri.y;
+    }
+    // <dSn, S> (e^Gamma times it joins dg): Ss and Ds share their layout.
+    float sdot = 0.f;
+    for (int u = tid; u < 2 * kQKBytes / 16; u += kGradThreads) {
+      const uint4 x = lds_u128(smem_u32(sm + kGrS) + 16u * u), y = lds_u128(smem_u32(sm + kGrD) + 16u * u);
+      const uint32_t* px = &x.x;
+      const uint32_t* py = &y.x;
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const float2 a = unpack2<H>(px[e]), c = unpack2<H>(py[e]);
+        sdot += a.x * c.x + a.y * c.y;
+      }
+    }
+    // dW = -2^-(cU + cS) 2^-ek_j dUs^T Ss: dWs = 2^cw (-acc) = 2^(cw + cU + cS) diag(2^ek) dW.
+    grad_ss<64, MK::MN, MK::MN>(wt, tv(kGrDU), h64(dv_(kGrS)), acc, GMMA::ScaleOut::Zero);
+    float mw_ = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) mw_ = fmaxf(mw_, fabsf(acc(i)));
+    const int cw = unit_for(cta_max(mw_, sRed, tid));  // (after it every warp's dO' reads are done)
+    {
+      const float f = -pow2i(cw);
+      Tensor tW = local_tile(tokd(kGrO), Shape<_64, _64>{}, make_coord(0, mw));
+      stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i) * f; });
+    }
+    // dVb = 2^-cU 2^-ek_i T'^T dUs (columns v); dbeta_i += <dVb_i, V_i> (raw V).
+    grad_ss<64, MK::MN, MK::K>(wt, ttT(kGrTm), h64(vt(kGrDU)), acc, GMMA::ScaleOut::Zero);
+    {
+      const float2 d = row_dot<T, typename Lay<T>::TokD_K>(acc, cc, reinterpret_cast<const T*>(sm + kGrV), c64);
+      const float f = pow2i(-cU);
+      dbR.x += d.x * f * ekri.x;
+      dbR.y += d.y * f * ekri.y;
+    }
+    float mvb = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) mvb = fmaxf(mvb, fabsf(acc(i)));
+    const int cvb = unit_for(cta_max(mvb, sRed, tid));  // (after it: every read of Ss by dW, of dUs by dVb)
+    {
+      const float f = pow2i(cvb);
+      Tensor tVb = local_tile(tokd(kGrS), Shape<_64, _64>{}, make_coord(0, mw));
+      stmatrix_rows<64>(tVb, wt, [&](int i) { return acc(i) * f; });  // dVbs = 2^(cvb + cU) diag(2^ek) dVb
+    }
+    fence_async_smem();
+    __syncthreads();  // dWs, dVbs
+    // dKb = 2^-(cw + cU + cS) 2^-ek_i T'^T dWs; dK_b = beta e^gamma dKb; dbeta, a.
+    grad_ss<64, MK::MN, MK::MN>(wt, ttT(kGrTm), h64(dtok(kGrO)), acc, GMMA::ScaleOut::Zero);
+    {
+      const float f = pow2i(-cw - cU - cS);
+      const float2 d = row_dot<H, typename LH::TokD_K>(acc, cc, hp(kGrK), c64);  // <acc_i, K'_i>
+      const float2 eg = fac2(sEg), bt = fac2(sBeta);
+      const float kx = d.x * f * ekri.x * ekri.x, ky = d.y * f * ekri.y * ekri.y;  // <dKb_i, K_i>
+      dbR.x += eg.x * kx;
+      dbR.y += eg.y * ky;
+      aR.x += bt.x * eg.x * kx;
+      aR.y += bt.y * eg.y * ky;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) dkAcc(i) += acc(i) * f * rh(ekri, i) * rh(bt, i) * rh(eg, i);
+    }
+    float mkb = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) mkb = fmaxf(mkb, fabsf(acc(i)));
+    const int ckb = unit_for(cta_max(mkb, sRed, tid));
+    {
+      const float f = pow2i(ckb);
+      Tensor tKb = local_tile(tokd(kGrS + kQKBytes), Shape<_64, _64>{}, make_coord(0, mw));
+      stmatrix_rows<64>(tKb, wt, [&](int i) { return acc(i) * f; });  // dKbs = 2^(ckb + cw + cU + cS) diag(2^ek) dKb
+    }
+    // Kw = 2^ckw e^gamma_j 2^-ek_j K'_j (= 2^ckw e^gamma K) over Us (dead since dK_d).
+    float mz = 0.f;
+    if (tid < kC) mz = sEgZ[tid];
+    const int ckw = unit_for(cta_max(mz, sRed, tid)) - 1;  // (K' rows: |entries| < 2^1/2)
+    for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+      const int r = (u & 511) >> 3;
+      uint4 x = lds_u128(smem_u32(sm + kGrK) + 16u * u);
+      uint32_t* px = &x.x;
+      const float sc = sEgZ[r] * pow2i(ckw);
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<H>(px[i]);
+        px[i] = pack2<H>(f.x * sc, f.y * sc);
+      }
+      sts128(smem_u32(sm + kGrU) + 16u * u, x);
+    }
+    // Vs = 2^ev V in place (the dbeta row dot has read the raw V).
+    const int ev = tile_to_fp16_unit<T>(sm + kGrV, len, tid, sRed);
+    fence_async_smem();
+    __syncthreads();  // dKbs, Kw, Vs
+    // Uv: 2^(et + ev) 2^-ek_i Uv = Tu' Vs -> Uvs (unit cuv); W: 2^(et + ckw) 2^-ek_i W = Tu' Kw -> Ws (cws).
+    grad_ss<64, MK::K, MK::MN>(wt, tt(kGrTu), h64(dtok(kGrV)), acc, GMMA::ScaleOut::Zero);
+    float muv = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) muv = fmaxf(muv, fabsf(acc(i)));
+    Acc64 acc2;
+    grad_ss<64, MK::K, MK::MN>(wt, tt(kGrTu), h64(dtok(kGrU)), acc2, GMMA::ScaleOut::Zero);
+    float mws = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc2); ++i) mws = fmaxf(mws, fabsf(acc2(i)));
+    const int cuv = unit_for(cta_max(muv, sRed, tid));
+    const int cws = unit_for(cta_max(mws, sRed, tid));
+    {  // Ds and dUs are dead (dK_d, dVb, <dSn, S> done): Uvs over Ds, Ws over dUs
+      const float f = pow2i(cuv), g = pow2i(cws);
+      Tensor tUv = local_tile(tokd(kGrD), Shape<_64, _64>{}, make_coord(0, mw));
+      stmatrix_rows<64>(tUv, wt, [&](int i) { return acc(i) * f; });
+      Tensor tWs = local_tile(tokd(kGrDU), Shape<_64, _64>{}, make_coord(0, mw));
+      stmatrix_rows<64>(tWs, wt, [&](int i) { return acc2(i) * g; });
+    }
+    // BK' = beta_i 2^(et - ek_i) K'_i over Ds's second half.
+    for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+      const int r = (u & 511) >> 3;
+      uint4 x = lds_u128(smem_u32(sm + kGrK) + 16u * u);
+      uint32_t* px = &x.x;
+      const float sc = sBeta[r] * pow2i(et - kexp[r]);
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<H>(px[i]);
+        px[i] = pack2<H>(f.x * sc, f.y * sc);
+      }
+      sts128(smem_u32(sm + kGrD + kQKBytes) + 16u * u, x);
+    }
+    fence_async_smem();
+    __syncthreads();  // Uvs, Ws, BK'
+    // dL = strict(-(dVb Uv^T + dKb W^T)) (this warpgroup's 32 columns j), L = strict(diag(beta) E o K K^T),
+    // R2 = dL o L, dM'' = 2^cm dM diag(2^-ek), dM = E o dL.
+    grad_ss<32, MK::K, MK::K>(wt, tokd(kGrS), h32(tokd(kGrD)), a32, GMMA::ScaleOut::Zero);
+    grad_ss<32, MK::K, MK::K>(wt, tokd(kGrS + kQKBytes), h32(tokd(kGrDU)), b32, GMMA::ScaleOut::Zero);
+    float mm = 0.f;
+    {
+      Acc32 kk;
+      grad_ss<32, MK::K, MK::K>(wt, tokd(kGrK), h32(tokd(kGrK)), kk, GMMA::ScaleOut::Zero);
+      const float f1 = pow2i(-cvb - cU - cuv - ev - et), f2 = pow2i(-ckb - cw - cU - cS - cws - et - ckw);
+      const float2 bt = fac2(sBeta);
+      CUTE_UNROLL
+      for (int i = 0; i < size(a32); ++i) {
+        const int r = get<0>(c32t(i)), j = get<1>(c32t(i)) + c32;
+        const bool strict = r < len && r > j;
+        const float E = strict ? exp2f(fminf(sGam[r] - sGam[j], 0.f) * kLog2e) : 0.f;
+        const float fj = pow2i(kexp[j]) * rh(ekri, i);  // 2^(ek_j - ek_i)
+        const float dl = strict ? -(a32(i) * f1 + b32(i) * f2) * fj : 0.f;
+        const float l = rh(bt, i) * E * kk(i) * rh(ekri, i) * pow2i(-kexp[j]);
+        kk(i) = dl * l;  // R2
+        a32(i) = E * dl * pow2i(-kexp[j]);  // dM diag(2^-ek)
+        mm = fmaxf(mm, fabsf(a32(i)));
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(kk); i += 2) {
+        if (acc_half(i)) rR.y += kk(i) + kk(i + 1);
+        else rR.x += kk(i) + kk(i + 1);
+      }
+      add_col_sums(kk, c32t, sColR + warp * kC, c32, lane);
+    }
+    const int cm = unit_for(cta_max(mm, sRed, tid));  // (after it: every read of dA'' is done)
+    {
+      const float f = pow2i(cm);
+      Tensor tM = local_tile(tt(kGrA), Shape<_64, _32>{}, make_coord(0, mw));
+      stmatrix_rows<32>(tM, wt, [&](int i) { return a32(i) * f; });
+    }
+    fence_async_smem();
+    __syncthreads();  // dM''
+    // dM K = 2^-cm dM'' K': dk += beta_i dM K; dbeta_i += <(dM K)_i, K_i>.
+    grad_ss<64, MK::K, MK::MN>(wt, tt(kGrA), h64(dtok(kGrK)), acc, GMMA::ScaleOut::Zero);
+    {
+      const float f = pow2i(-cm);
+      const float2 bt = fac2(sBeta);
+      const float2 d = row_dot<H, typename LH::TokD_K>(acc, cc, hp(kGrK), c64);
+      dbR.x += d.x * f * ekri.x;
+      dbR.y += d.y * f * ekri.y;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) dkAcc(i) += acc(i) * f * rh(bt, i);
+    }
+    // dM^T diag(beta) K = 2^(ek_j - cm - et) dM''^T BK'.
+    grad_ss<64, MK::MN, MK::MN>(wt, ttT(kGrA), h64(dtok(kGrD + kQKBytes)), acc, GMMA::ScaleOut::Zero);
+    {
+      const float f = pow2i(-cm - et);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) dkAcc(i) += acc(i) * f * rh(ekr, i);
+    }
+    // dbeta and dg (B33): dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S>, a_i with
+    // R's row sums minus its column sums; both warpgroups' halves summed in order.
+    rR = quad2(rR);
+    put_rows(0, make_float2(aR.x + rR.x, aR.y + rR.y));
+    put_rows(1, xR);
+    put_rows(2, dbR);
+    (void)cta_max(0.f, sRed, tid);  // (its barriers: the row partials and column sums are complete)
+    {
+      // <dSn, S>: the threads' partials through the reduction slots (a sum, in warp order).
+      float v = sdot;
+      CUTE_UNROLL
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) sRed[warp] = v;
+    }
+    __syncthreads();
+    if (tid < kC) {
+      const int r = tid;
+      float col = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < 8; ++w) col += sColR[w * kC + r];
+      const float a = sPart[0 * kC + r] + sPart[3 * kC + r] - col;
+      const float x = sPart[1 * kC + r] + sPart[4 * kC + r];
+      const float db = sPart[2 * kC + r] + sPart[5 * kC + r];
+      sColR[r] = a;       // (warp 0's column slot, read above by this thread only)
+      sColR[kC + r] = x;  // (warp 1's)
+      if (r < len) store_f(p.dbeta, p.db_dt, b * p.sdb[0] + (t0 + r) * p.sdb[1] + hv, db);
+    }
+    __syncthreads();
+    if (tid < len) {
+      float sdS = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < 8; ++w) sdS += sRed[w];
+      float s_ = eGamma * sdS * pow2i(-cS - cU);
+      for (int i = tid; i < kC; ++i) s_ += sColR[i];
+      for (int i = 0; i < tid; ++i) s_ += sColR[kC + i];
+      store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s_);
     }
   }
-  // dq of the group, once.
+  // dq, dk of the group, once.
   {
-    Tensor cQ = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::MN>())
-                    .get_thread_slice(wt)
-                    .partition_C(make_identity_tensor(Shape<_64, _64>{}));
-    T* dqg = static_cast<T*>(p.dq) + b * p.sdq[0] + static_cast<int64_t>(hq) * p.sdq[2] + 64 * mw;
+    T* dqg = static_cast<T*>(p.dq) + b * p.sdq[0] + static_cast<int64_t>(hq) * p.sdq[2] + c64;
+    T* dkg = static_cast<T*>(p.dk) + b * p.sdk[0] + static_cast<int64_t>(hq) * p.sdk[2] + c64;
     CUTE_UNROLL
     for (int i = 0; i < size(dqAcc); ++i) {
-      const int t = get<0>(cQ(i)), d = get<1>(cQ(i));
-      if (t < len) dqg[(t0 + t) * p.sdq[1] + d] = T(dqAcc(i));
+      const int t = get<0>(cc(i)), d = get<1>(cc(i));
+      if (t < len) {
+        dqg[(t0 + t) * p.sdq[1] + d] = T(dqAcc(i));
+        dkg[(t0 + t) * p.sdk[1] + d] = T(dkAcc(i));
+      }
     }
   }
 }

@@ -318,6 +318,13 @@ __device__ __forceinline__ uint32_t load_bits(const void* p, int dt, int64_t i) 
   if (dt == static_cast<int>(DType::kFloat32)) return __ldg(static_cast<const unsigned int*>(p) + i);
   return __ldg(static_cast<const unsigned short*>(p) + i);
 }
+// x into element i of p in the dtype dt (fp32, bf16 or fp16).
+__device__ __forceinline__ void store_f(void* p, int dt, int64_t i, float x) {
+  if (dt == static_cast<int>(DType::kFloat32)) static_cast<float*>(p)[i] = x;
+  else if (dt == static_cast<int>(DType::kBFloat16)) static_cast<cutlass::bfloat16_t*>(p)[i] = cutlass::bfloat16_t(x);
+  else static_cast<cutlass::half_t*>(p)[i] = cutlass::half_t(x);
+}
+
 __device__ __forceinline__ float bits_value(uint32_t x, int dt) {
   if (dt == static_cast<int>(DType::kFloat32)) return __uint_as_float(x);
   if (dt == static_cast<int>(DType::kBFloat16)) return __uint_as_float(x << 16);
@@ -566,6 +573,51 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 __device__ __forceinline__ void bulk_wait_read_but_last() { asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); }
 // Every bulk store of this thread complete (writes performed), before the kernel ends.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Row dots <acc_r, X_(r, c + coff)> for the thread's two rows (r0 = 16 warp + lane/4 and r0 + 8),
+// summed over the quad that holds each row (a partial over the warpgroup's columns). X is a
+// 16-bit image; accumulator pairs are adjacent columns.
+template <class T, class Layout, class Acc, class Coord>
+__device__ __forceinline__ float2 row_dot(const Acc& acc, const Coord& cc, const T* X, int coff) {
+  float s[2] = {0.f, 0.f};
+  const uint32_t base = smem_u32(X);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(cc(i)), c = get<1>(cc(i)) + coff;
+    uint32_t w;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w) : "r"(base + 2u * img_off<Layout>(const_cast<T*>(X), r, c)));
+    const float2 x = unpack2<T>(w);
+    s[(r >> 3) & 1] += acc(i) * x.x + acc(i + 1) * x.y;
+  }
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
+    s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
+  }
+  return make_float2(s[0], s[1]);
+}
+
+// Sums over the rows of a 64 x N fragment's column pairs, added to col[] (shared, this warp's
+// own 64 columns): the 8 row groups of a warp are reduced by shuffles, then one lane per column
+// adds, so every sum is taken in a fixed order (no atomics: the backward is bitwise
+// deterministic); the reader sums the warps' slots in warp order.
+template <class Acc, class Coord>
+__device__ __forceinline__ void add_col_sums(const Acc& v, const Coord& cc, float* col, int coff, int lane) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(v); i += 4) {  // elements i, i+1: row r0; i+2, i+3: row r0+8 (same columns)
+    float a = v(i) + v(i + 2), b = v(i + 1) + v(i + 3);
+    CUTE_UNROLL
+    for (int o = 4; o < 32; o <<= 1) {
+      a += __shfl_xor_sync(0xffffffffu, a, o);
+      b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    if (lane < 4) {
+      const int c = get<1>(cc(i)) + coff;
+      col[c] += a;
+      col[c + 1] += b;
+    }
+  }
+}
 
 constexpr float kLog2e = 1.4426950408889634f;
 // 2^x on the special-function unit (relative error ~2^-22; flushes results below 2^-126 to 0).

@@ -591,7 +591,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
 // Test builds: the chunk table and the inverse kernel into p.workspace (the fused forward's unsplit
 // layout), then the arguments of a whole-sequence pass over them, v_map's tensor in V's slot.
 template <class T>
-Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp) {
+Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp, void* tm = nullptr) {
   SplitChoice sc;
   sc.fused = true;
   const WsLayout wl = ws_layout(p, sc);
@@ -600,7 +600,7 @@ Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecPa
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   int* table = reinterpret_cast<int*>(ws + wl.table);
   void* regions = ws + wl.regions;
-  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
+  s = launch_inverse_alone<T>(p, regions, tm);  // the chunk table (at the workspace's start) and the regions
   if (!s.ok()) return s;
   CUtensorMap tmq, tmk, tmv;
   s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
@@ -616,15 +616,16 @@ Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecPa
 
 // Test builds only: the backward's states pass (build step 3): the lean kernel over whole
 // sequences, no o, each chunk's entering state into grad_frags (kFragS; kFragRegionBytes per
-// region), the final state into p.final_state.
+// region), the final state into p.final_state; the inverse kernel before it also leaves the T'
+// images in tm (8 KiB per region) unless null.
 template <class T>
-Status launch_states_alone(const GdnForwardParams& p, void* grad_frags) {
+Status launch_states_alone(const GdnForwardParams& p, void* grad_frags, void* tm) {
   if (num_seqs(p) == 0) return Status::Ok();
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
   RecParams rp;
-  Status s = test_pass_params<T>(p, p.v, rp);
+  Status s = test_pass_params<T>(p, p.v, rp, tm);
   if (!s.ok()) return s;
   rp.o = nullptr;
   rp.tiles_log2 = 1;
@@ -663,8 +664,9 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
 // The gradients kernel over the regions and chunk operands that earlier test calls left (the
 // chunk table and regions in p.workspace, as test_run_reverse_chain leaves them).
 template <class T>
-Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const MutTensorRef& dv,
-                          const MutTensorRef& dq) {
+Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const void* tm,
+                          const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
+                          const MutTensorRef& dbeta) {
   if (num_seqs(p) == 0) return Status::Ok();
   SplitChoice sc;
   sc.fused = true;
@@ -680,16 +682,31 @@ Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const
   gp.N = static_cast<int>(num_seqs(p));
   gp.H = static_cast<int>(p.shape.num_qk_heads);
   gp.HV = static_cast<int>(p.shape.num_v_heads);
-  s = make_tile_map(&gp.tmk, p.k, p.shape.num_qk_heads, p.shape);
+  s = make_tile_map(&gp.tmq, p.q, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (s.ok()) s = make_tile_map(&gp.tmv, p.v, p.shape.num_v_heads, p.shape);
   if (s.ok()) s = make_tile_map(&gp.tmdo, d_o, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
+  gp.tm = tm;
+  gp.beta = p.beta.data;
+  gp.b_dt = static_cast<int>(p.beta.dtype);
   gp.scale = static_cast<float>(p.scale);
-  gp.dv = dv.data;
   gp.dq = dq.data;
+  gp.dk = dk.data;
+  gp.dv = dv.data;
+  gp.dg = dg.data;
+  gp.dbeta = dbeta.data;
+  gp.dg_dt = static_cast<int>(dg.dtype);
+  gp.db_dt = static_cast<int>(dbeta.dtype);
   for (int i = 0; i < 3; ++i) {
-    gp.sdv[i] = dv.stride[i];
     gp.sdq[i] = dq.stride[i];
+    gp.sdk[i] = dk.stride[i];
+    gp.sdv[i] = dv.stride[i];
+  }
+  for (int i = 0; i < 2; ++i) {
+    gp.sb[i] = p.beta.stride[i];
+    gp.sdg[i] = dg.stride[i];
+    gp.sdb[i] = dbeta.stride[i];
   }
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
                "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
@@ -731,22 +748,23 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions, void* tm) {
   if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions, tm);
   return launch_inverse_alone<cutlass::half_t>(p, regions, tm);
 }
-Status test_run_chunk_grads(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const MutTensorRef& dv,
-                            const MutTensorRef& dq) {
+Status test_run_chunk_grads(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const void* tm,
+                            const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
+                            const MutTensorRef& dbeta) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_grads_alone<cutlass::bfloat16_t>(p, d_o, frags, dv, dq)
-                                       : launch_grads_alone<cutlass::half_t>(p, d_o, frags, dv, dq);
+  return p.q.dtype == DType::kBFloat16 ? launch_grads_alone<cutlass::bfloat16_t>(p, d_o, frags, tm, dq, dk, dv, dg, dbeta)
+                                       : launch_grads_alone<cutlass::half_t>(p, d_o, frags, tm, dq, dk, dv, dg, dbeta);
 }
 size_t test_fragment_layout(int i) {
   const size_t v[] = {kFragS, kFragEscS, kFragDSn, kFragDU, kFragEsc, kFragBlockBytes, kFragRegionBytes};
   return v[i];
 }
-Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags) {
+Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* tm) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_states_alone<cutlass::bfloat16_t>(p, grad_frags)
-                                       : launch_states_alone<cutlass::half_t>(p, grad_frags);
+  return p.q.dtype == DType::kBFloat16 ? launch_states_alone<cutlass::bfloat16_t>(p, grad_frags, tm)
+                                       : launch_states_alone<cutlass::half_t>(p, grad_frags, tm);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

@@ -45,16 +45,17 @@ void test_print_phases();  // prints the phase timers' records (and clears them)
 // With tm set, also the backward's T' images (8 KiB per region).
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions, void* tm = nullptr);
 // The gradients kernel (build step 3) over the chunk table and regions in p.workspace and the
-// chunk operands in frags (left by the calls above): dv and dq so far.
-qla::Status test_run_chunk_grads(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const void* frags,
-                                 const qla::MutTensorRef& dv, const qla::MutTensorRef& dq);
+// chunk operands in frags and the T' images in tm (left by the calls above): every gradient.
+qla::Status test_run_chunk_grads(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const void* frags, const void* tm,
+                                 const qla::MutTensorRef& dq, const qla::MutTensorRef& dk, const qla::MutTensorRef& dv,
+                                 const qla::MutTensorRef& dg, const qla::MutTensorRef& dbeta);
 // The fused backward's reverse chain alone (build step 2): d_o and d(final state) in, d(initial state) out.
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
 // The backward's states pass (build step 3): each chunk's entering state into grad_frags, the
 // final state into p.final_state.
-qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags);
+qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags, void* tm = nullptr);  // tm: T' images
 // The chunk operands' layout (fused_chunks.cuh): offsets of S', its units, dSn', dU', their units;
 // the block's bytes, the region's bytes.
 size_t test_fragment_layout(int i);
@@ -1189,17 +1190,22 @@ static bool check_grads(const Case& case_, uint64_t seed, cudaStream_t stream) {
   qla::TensorRef d_o = D.p.v;  // (v's layout)
   d_o.data = ddo;
   const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * c.HV));
-  const size_t frag_bytes = regions * qla::sm90::test_fragment_layout(6);
-  const size_t dv_elems = static_cast<size_t>(c.B * c.T * c.HV * V), dq_elems = static_cast<size_t>(c.B * c.T * c.H * K);
-  void *frags = nullptr, *dv = nullptr, *dq = nullptr;
+  const size_t frag_bytes = regions * qla::sm90::test_fragment_layout(6), tm_bytes = regions * 64 * 64 * 2;
+  const int64_t BT = c.B * c.T;
+  // Outputs (poisoned: NaN in every dtype): dq, dk, dv in q's dtype, dg and dbeta in fp32.
+  const size_t n_q = static_cast<size_t>(BT * c.H * K), n_v = static_cast<size_t>(BT * c.HV * V), n_g = static_cast<size_t>(BT * c.HV);
+  void *frags = nullptr, *tm = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *db = nullptr;
   CK(cudaMalloc(&frags, frag_bytes));
   CK(cudaMemset(frags, 0x7F, frag_bytes));
-  CK(cudaMalloc(&dv, std::max<size_t>(1, dv_elems) * 2));
-  CK(cudaMalloc(&dq, std::max<size_t>(1, dq_elems) * 2));
-  auto mref = [&](void* x, int64_t heads, int64_t width) {
+  CK(cudaMalloc(&tm, tm_bytes));
+  CK(cudaMemset(tm, 0xFF, tm_bytes));
+  for (void** x : {&dq, &dk}) CK(cudaMalloc(x, std::max<size_t>(1, n_q) * 2));
+  CK(cudaMalloc(&dv, std::max<size_t>(1, n_v) * 2));
+  for (void** x : {&dg, &db}) CK(cudaMalloc(x, std::max<size_t>(1, n_g) * 4));
+  auto mref = [&](void* x, DType dt, int64_t heads, int64_t width) {
     qla::MutTensorRef r;
     r.data = x;
-    r.dtype = c.qdt;
+    r.dtype = dt;
     r.stride[0] = c.T * heads * width;
     r.stride[1] = heads * width;
     r.stride[2] = width;
@@ -1209,48 +1215,66 @@ static bool check_grads(const Case& case_, uint64_t seed, cudaStream_t stream) {
   dh0.data = D.p.final_state.data;
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-  std::vector<uint16_t> hv_[2], hq_[2];
+  std::vector<uint16_t> hq[2], hk[2], hvv[2];
+  std::vector<float> hg[2], hb[2];
   qla::Status s;
   for (int call = 0; call < 2; ++call) {
-    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, dv_elems) * 2));  // NaN in bf16 and fp16
-    CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, dq_elems) * 2));
-    s = qla::sm90::test_run_states_pass(D.p, frags);
+    for (void* x : {dq, dk}) CK(cudaMemset(x, 0xFF, std::max<size_t>(1, n_q) * 2));
+    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
+    for (void* x : {dg, db}) CK(cudaMemset(x, 0xFF, std::max<size_t>(1, n_g) * 4));
+    s = qla::sm90::test_run_states_pass(D.p, frags, tm);
     if (s.ok()) s = qla::sm90::test_run_reverse_chain(D.p, d_o, D.p.initial_state, dh0, 64, frags);
-    if (s.ok()) s = qla::sm90::test_run_chunk_grads(D.p, d_o, frags, mref(dv, c.HV, V), mref(dq, c.H, K));
+    if (s.ok())
+      s = qla::sm90::test_run_chunk_grads(D.p, d_o, frags, tm, mref(dq, c.qdt, c.H, K), mref(dk, c.qdt, c.H, K),
+                                          mref(dv, c.qdt, c.HV, V), mref(dg, DType::kFloat32, c.HV, 1),
+                                          mref(db, DType::kFloat32, c.HV, 1));
     if (!s.ok()) break;
     CK(cudaStreamSynchronize(stream));
-    hv_[call].resize(dv_elems);
-    hq_[call].resize(dq_elems);
-    CK(cudaMemcpy(hv_[call].data(), dv, dv_elems * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(hq_[call].data(), dq, dq_elems * 2, cudaMemcpyDeviceToHost));
+    hq[call].resize(n_q);
+    hk[call].resize(n_q);
+    hvv[call].resize(n_v);
+    hg[call].resize(n_g);
+    hb[call].resize(n_g);
+    CK(cudaMemcpy(hq[call].data(), dq, n_q * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hk[call].data(), dk, n_q * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hvv[call].data(), dv, n_v * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hg[call].data(), dg, n_g * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb[call].data(), db, n_g * 4, cudaMemcpyDeviceToHost));
   }
-  CK(cudaFree(frags));
-  CK(cudaFree(dv));
-  CK(cudaFree(dq));
-  CK(cudaFree(ddo));
+  for (void* x : {frags, tm, dq, dk, dv, dg, db, ddo}) CK(cudaFree(x));
   if (!s.ok()) { std::printf("%-34s gradients: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   FullGrads G;
   reference_backward(P, dO, G);
-  L2 ev, eq;
-  for (size_t i = 0; i < dv_elems; ++i) ev.add(from16(hv_[0][i], c.qdt), G.dv[i]);
-  for (size_t i = 0; i < dq_elems; ++i) eq.add(from16(hq_[0][i], c.qdt), G.dq[i]);
+  L2 eq, ek, ev, eg, eb;
+  for (size_t i = 0; i < n_q; ++i) {
+    eq.add(from16(hq[0][i], c.qdt), G.dq[i]);
+    ek.add(from16(hk[0][i], c.qdt), G.dk[i]);
+  }
+  for (size_t i = 0; i < n_v; ++i) ev.add(from16(hvv[0][i], c.qdt), G.dv[i]);
+  for (size_t i = 0; i < n_g; ++i) {
+    eg.add(hg[0][i], G.dg[i]);
+    eb.add(hb[0][i], G.dbeta[i]);
+  }
   {  // the reference against the two earlier ones (dv: the reverse alone; dq: the forward's states)
     std::vector<double> dh0r, o, hT, dqr;
     ChunkGrads cg;
     reference_reverse(P, dh0r, &cg, &dO);
     reference(P, o, hT, nullptr, &dO, &dqr);
     L2 a, b2, h;
-    for (size_t i = 0; i < dv_elems; ++i) a.add(G.dv[i], cg.dv[i]);
-    for (size_t i = 0; i < dq_elems; ++i) b2.add(G.dq[i], dqr[i]);
+    for (size_t i = 0; i < n_v; ++i) a.add(G.dv[i], cg.dv[i]);
+    for (size_t i = 0; i < n_q; ++i) b2.add(G.dq[i], dqr[i]);
     for (size_t i = 0; i < dh0r.size(); ++i) h.add(G.dh0[i], dh0r[i]);
     if (a.rel() > 1e-12 || b2.rel() > 1e-12 || h.rel() > 1e-12)
       std::printf("  reference mismatch: dv %.2e dq %.2e dh0 %.2e\n", a.rel(), b2.rel(), h.rel());
   }
-  const bool same = hv_[0] == hv_[1] && hq_[0] == hq_[1];
-  const bool ok = !ev.nan && !eq.nan && ev.rel() <= 4e-3 && eq.rel() <= 4e-3 && same;
-  std::printf("grads %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dv %.3e dq %.3e%s%s  %s\n", c.name.c_str(), (long long)P.N,
-              (long long)P.c.T, (long long)c.H, (long long)c.HV, ev.rel(), eq.rel(), ev.nan || eq.nan ? " NaN" : "",
-              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  const bool same = hq[0] == hq[1] && hk[0] == hk[1] && hvv[0] == hvv[1] &&
+                    std::memcmp(hg[0].data(), hg[1].data(), n_g * 4) == 0 && std::memcmp(hb[0].data(), hb[1].data(), n_g * 4) == 0;
+  const bool nan = eq.nan || ek.nan || ev.nan || eg.nan || eb.nan;
+  const bool ok = !nan && same && eq.rel() <= 4e-3 && ek.rel() <= 4e-3 && ev.rel() <= 4e-3 && eg.rel() <= 4e-3 &&
+                  eb.rel() <= 4e-3;
+  std::printf("grads %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dq %.2e dk %.2e dv %.2e dg %.2e dbeta %.2e%s%s  %s\n",
+              c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, eq.rel(), ek.rel(),
+              ev.rel(), eg.rel(), eb.rel(), nan ? " NaN" : "", same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
   free_dev(D);
   return ok;
 }
