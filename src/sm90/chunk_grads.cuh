@@ -300,6 +300,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
   };
   auto fac2 = [&](const float* x) { return make_float2(x[row0], x[row0 + 8]); };
 
+  QLA_PHASES(10);
   for (int gi = 0; gi < group; ++gi) {
     const int hv = hq * group + gi;
     const size_t region = static_cast<size_t>(ci) * p.HV + hv;
@@ -357,6 +358,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         mdo = fmaxf(mdo, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
     }
+    QLA_PHASE(0);
     cta_reduce(mdo, cS, cU, sRed, tid);
     const int edo = unit_for(mdo);
     {
@@ -374,6 +376,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // K', Q', dO', Tu', T', the gates and the zeroed V rows
+    QLA_PHASE(1);
 
     // ---- rows v (this warpgroup's fragment block): dV^T, U; S, U, dU, dSn to shared memory ----
     {
@@ -419,6 +422,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // Ss, Us, dUs, Ds
+    QLA_PHASE(2);
 
     // ---- rows tokens: this warpgroup's columns c64 .. of d or v, c32 .. of j ----
     float2 aR = make_float2(0.f, 0.f), xR = aR, dbR = aR, rR = aR;  // a, x, dbeta, R's row sums
@@ -477,6 +481,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // dA''; dO' is dead: dWs takes its bytes
+    QLA_PHASE(3);
     // dq += 2^(eq_i - cA) dA'' K'.
     grad_ss<64, MK::K, MK::MN>(wt, tt(kGrA), h64(dtok(kGrK)), acc, GMMA::ScaleOut::Zero);
     CUTE_UNROLL
@@ -510,6 +515,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         sdot += a.x * c.x + a.y * c.y;
       }
     }
+    QLA_PHASE(4);
     // dW = -2^-(cU + cS) 2^-ek_j dUs^T Ss: dWs = 2^cw (-acc) = 2^(cw + cU + cS) diag(2^ek) dW.
     grad_ss<64, MK::MN, MK::MN>(wt, tv(kGrDU), h64(dv_(kGrS)), acc, GMMA::ScaleOut::Zero);
     float mw_ = 0.f;
@@ -540,6 +546,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // dWs, dVbs
+    QLA_PHASE(5);
     // dKb = 2^-(cw + cU + cS) 2^-ek_i T'^T dWs; dK_b = beta e^gamma dKb; dbeta, a.
     grad_ss<64, MK::MN, MK::MN>(wt, ttT(kGrTm), h64(dtok(kGrO)), acc, GMMA::ScaleOut::Zero);
     {
@@ -583,6 +590,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     const int ev = tile_to_fp16_unit<T>(sm + kGrV, len, tid, sRed);
     fence_async_smem();
     __syncthreads();  // dKbs, Kw, Vs
+    QLA_PHASE(6);
     // Uv: 2^(et + ev) 2^-ek_i Uv = Tu' Vs -> Uvs (unit cuv); W: 2^(et + ckw) 2^-ek_i W = Tu' Kw -> Ws (cws).
     grad_ss<64, MK::K, MK::MN>(wt, tt(kGrTu), h64(dtok(kGrV)), acc, GMMA::ScaleOut::Zero);
     float muv = 0.f;
@@ -617,6 +625,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // Uvs, Ws, BK'
+    QLA_PHASE(7);
     // dL = strict(-(dVb Uv^T + dKb W^T)) (this warpgroup's 32 columns j), L = strict(diag(beta) E o K K^T),
     // R2 = dL o L, dM'' = 2^cm dM diag(2^-ek), dM = E o dL.
     grad_ss<32, MK::K, MK::K>(wt, tokd(kGrS), h32(tokd(kGrD)), a32, GMMA::ScaleOut::Zero);
@@ -654,6 +663,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     fence_async_smem();
     __syncthreads();  // dM''
+    QLA_PHASE(8);
     // dM K = 2^-cm dM'' K': dk += beta_i dM K; dbeta_i += <(dM K)_i, K_i>.
     grad_ss<64, MK::K, MK::MN>(wt, tt(kGrA), h64(dtok(kGrK)), acc, GMMA::ScaleOut::Zero);
     {
@@ -709,7 +719,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       for (int i = 0; i < tid; ++i) s_ += sColR[kC + i];
       store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s_);
     }
+    QLA_PHASE(9);
   }
+  QLA_PHASES_PRINT("gradients (loads + units, dO' + barrier, rows v: dv, U, stores, dq1 + P + dP + dA'', dq2 + dK_P + dK_d, "
+                   "dW + dVb, dKb + Kw + Vs, Uv + W + BK', dL + KK + dM'', dM K + dM^T BK + dg)", 10, group);
   // dq, dk of the group, once.
   {
     T* dqg = static_cast<T*>(p.dq) + b * p.sdq[0] + static_cast<int64_t>(hq) * p.sdq[2] + c64;

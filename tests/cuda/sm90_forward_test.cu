@@ -1311,6 +1311,72 @@ static std::vector<Case> reverse_cases() {
   return r;
 }
 
+// The new backward's passes, timed apart on bench inputs (v plays dO): the states pass (chunk
+// table + inverse kernel with T' + the lean kernel storing S'), the reverse chain at V tile 64
+// (table + inverse again + the chain storing dSn', dU'), the gradients kernel; and their sum with
+// one table + inverse (the chain's) taken out.
+static void bench_grads(const Case& c, cudaStream_t stream, bool profile = false) {
+  Problem P = make_problem(c);
+  Dev D;
+  setup(P, D, stream);
+  bench_inputs(P, D);
+  const int64_t chunks = (P.c.T + 63) / 64, BT = P.c.B * P.c.T;
+  const size_t regions = static_cast<size_t>(std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV);
+  void *frags = nullptr, *tm = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *db = nullptr;
+  CK(cudaMalloc(&frags, regions * qla::sm90::test_fragment_layout(6)));
+  CK(cudaMalloc(&tm, regions * 64 * 64 * 2));
+  for (void** x : {&dq, &dk}) CK(cudaMalloc(x, BT * c.H * K * 2));
+  CK(cudaMalloc(&dv, BT * c.HV * V * 2));
+  for (void** x : {&dg, &db}) CK(cudaMalloc(x, BT * c.HV * 4));
+  auto mref = [&](void* x, DType dt, int64_t heads, int64_t width) {
+    qla::MutTensorRef r;
+    r.data = x;
+    r.dtype = dt;
+    r.stride[0] = P.c.T * heads * width;
+    r.stride[1] = heads * width;
+    r.stride[2] = width;
+    return r;
+  };
+  qla::MutTensorRef dh0;
+  dh0.data = D.p.final_state.data;
+  dh0.dtype = DType::kFloat32;
+  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  auto states = [&] { (void)qla::sm90::test_run_states_pass(D.p, frags, tm); };
+  auto rev = [&] { (void)qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, 64, frags); };
+  auto grads = [&] {
+    (void)qla::sm90::test_run_chunk_grads(D.p, D.p.v, frags, tm, mref(dq, P.c.qdt, c.H, K), mref(dk, P.c.qdt, c.H, K),
+                                          mref(dv, P.c.qdt, c.HV, V), mref(dg, DType::kFloat32, c.HV, 1),
+                                          mref(db, DType::kFloat32, c.HV, 1));
+  };
+  states();
+  rev();
+  grads();
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaGetLastError());
+  if (profile) {  // (with -DQLA_FUSED_PROFILE: the phase timers of one gradients call)
+#ifdef QLA_FUSED_PROFILE
+    qla::sm90::test_print_phases();  // (clears the earlier calls' records)
+    grads();
+    CK(cudaStreamSynchronize(stream));
+    qla::sm90::test_print_phases();
+#endif
+    for (void* x : {frags, tm, dq, dk, dv, dg, db}) CK(cudaFree(x));
+    free_dev(D);
+    return;
+  }
+  const double ts = median_ms(stream, 10, states), tr = median_ms(stream, 10, rev), tg = median_ms(stream, 10, grads);
+  void* regs = nullptr;  // the inverse kernel alone, into its own buffer
+  CK(cudaMalloc(&regs, regions * qla::sm90::test_inverse_region_bytes()));
+  const double tinv = median_ms(stream, 10, [&] { (void)qla::sm90::test_run_inverse(D.p, regs); });
+  CK(cudaFree(regs));
+  for (void* x : {frags, tm, dq, dk, dv, dg, db}) CK(cudaFree(x));
+  std::printf("bench-grads %-30s N=%lld T=%lld H=%lld HV=%lld: states %8.1f us, reverse %8.1f, gradients %8.1f "
+              "(table + inverse ~%6.1f): backward ~%8.1f us; gradients %.2f us per region\n",
+              c.name.c_str(), (long long)P.N, (long long)P.c.T, (long long)c.H, (long long)c.HV, ts * 1e3, tr * 1e3,
+              tg * 1e3, tinv * 1e3, (ts + tr - tinv + tg) * 1e3, tg * 1e3 / double(P.c.B * chunks * c.HV));
+  free_dev(D);
+}
+
 // The reverse chain's time (chunk table + inverse kernel + the chain), bench inputs.
 static void bench_reverse(const Case& c, cudaStream_t stream) {
   Problem P = make_problem(c);
@@ -1344,9 +1410,10 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
-  bool do_states = false, do_grads = false;
+  bool do_states = false, do_grads = false, do_grads_bench = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
+  int grads_profile_row = -1;    // --grads-profile R: one gradients kernel of bench row R (phase timers, ncu)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--bench") do_bench = true;
     if (std::string(argv[i]) == "--inverse") do_inverse = true;
@@ -1361,7 +1428,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--states") do_states = true;
     if (std::string(argv[i]) == "--grads") do_grads = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
+    if (std::string(argv[i]) == "--grads-bench") do_grads_bench = true;
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
+    if (std::string(argv[i]) == "--grads-profile" && i + 1 < argc) grads_profile_row = std::atoi(argv[++i]);
   }
 #ifdef QLA_SM90_TEST_HOOKS
   // The overlapped variant of the fused forward (its suites and bench rows with it on).
@@ -1400,6 +1469,10 @@ int main(int argc, char** argv) {
   }
 
 #ifdef QLA_SM90_TEST_HOOKS
+  if (grads_profile_row >= 0) {
+    bench_grads(bench_rows().at(grads_profile_row), stream, true);
+    return 0;
+  }
   if (reverse_profile_row >= 0) {
     const Case c = bench_rows().at(reverse_profile_row);
     Problem P = make_problem(c);
@@ -1416,7 +1489,7 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_reverse || do_reverse_bench || do_states || do_grads) {  // the fused backward's parts (test builds)
+  if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench) {  // the fused backward's parts (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     // The backward's cases: the reverse chain at both V tiles, the states pass, the gradients.
     const std::vector<Case> rc = do_reverse || do_states || do_grads ? reverse_cases() : std::vector<Case>{};
@@ -1424,6 +1497,10 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < rc.size() && do_reverse; ++i) ok = check_reverse(rc[i], 7771 + i, stream, vt) && ok;
     for (size_t i = 0; i < rc.size() && do_states; ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
     for (size_t i = 0; i < rc.size() && do_grads; ++i) ok = check_grads(rc[i], 8771 + i, stream) && ok;
+    if (do_grads_bench) {
+      const std::vector<Case> rows = bench_rows();
+      for (int r : {0, 1, 2, 4, 6, 8}) bench_grads(rows[r], stream);
+    }
     if (do_reverse_bench) {
       const std::vector<Case> rows = bench_rows();
       for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
