@@ -518,10 +518,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     QLA_PHASE(4);
     // dW = -2^-(cU + cS) 2^-ek_j dUs^T Ss: dWs = 2^cw (-acc) = 2^(cw + cU + cS) diag(2^ek) dW.
     grad_ss<64, MK::MN, MK::MN>(wt, tv(kGrDU), h64(dv_(kGrS)), acc, GMMA::ScaleOut::Zero);
-    float mw_ = 0.f;
+    float mdw = 0.f;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) mw_ = fmaxf(mw_, fabsf(acc(i)));
-    const int cw = unit_for(cta_max(mw_, sRed, tid));  // (after it every warp's dO' reads are done)
+    for (int i = 0; i < size(acc); ++i) mdw = fmaxf(mdw, fabsf(acc(i)));
+    const int cw = unit_for(cta_max(mdw, sRed, tid));  // (after it every warp's dO' reads are done)
     {
       const float f = -pow2i(cw);
       Tensor tW = local_tile(tokd(kGrO), Shape<_64, _64>{}, make_coord(0, mw));
