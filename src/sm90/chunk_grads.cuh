@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       auto mmaV = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<MK::K, MK::MN>{});  // B = Tu' as (j, i)
       auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<MK::K, MK::K>{});   // B = K' (j, d), Tu' (i, j)
       Tensor acc = partition_fragment_C(mmaV, Shape<_64, _64>{});
-      Tensor cA = mmaV.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+      Tensor cV = mmaV.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (v, tok)
       // dV^T = 2^-et R_v^-1 dU' Tu'.
       grad_rs(mmaV, wt, rU16, ttT(kGrTu), acc, GMMA::ScaleOut::Zero);
       {
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2] + c64;
         CUTE_UNROLL
         for (int i = 0; i < size(acc); ++i) {
-          const int v = get<0>(cA(i)), t = get<1>(cA(i));
+          const int v = get<0>(cV(i)), t = get<1>(cV(i));
           if (t < len) dvg[(t0 + t) * p.sdv[1] + v] = T(acc(i) * uf[acc_half(i)]);
         }
       }
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       load_vt_pairs(reinterpret_cast<const T*>(sm + kGrV) + mw * kC * 64, wt, vp);
       Tensor rZ16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});
       const float rs[2] = {pow2i(escS[0]), pow2i(escS[1])};
-      form_z<T>(acc, cA, vp, sEgZ, rs, rZ16);
+      form_z<T>(acc, cV, vp, sEgZ, rs, rZ16);
       grad_rs(mmaL, wt, rZ16, tt(kGrTu), acc, GMMA::ScaleOut::Zero);
       Tensor tU = rows(vt(kGrU));
       stmatrix_rows<64>(tU, wt, [&](int i) { return acc(i) * su[acc_half(i)]; });
