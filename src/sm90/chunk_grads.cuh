@@ -185,9 +185,10 @@ __device__ __forceinline__ void tile_to_fp16(uint8_t* tile, const int8_t* e, int
 }
 
 // A 64 x 128 TokD_K tile of 16-bit T in place to fp16 in one unit (its largest |value| near 2^13;
-// rows past len zeroed); returns the unit's exponent.
+// rows past len zeroed); returns the unit's exponent. e0, e1: CTA-wide minimums taken in the same
+// reduction.
 template <class T>
-__device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid, float* red) {
+__device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid, float* red, int& e0, int& e1) {
   constexpr int kRuns = kQKBytes / 16 / kGradThreads;
   uint4 x[kRuns];
   float m = 0.f;
@@ -202,7 +203,8 @@ __device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid
       m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
   }
-  const int e = unit_for(cta_max(m, red, tid));  // (its barriers also order the reads before the writes)
+  cta_reduce(m, e0, e1, red, tid);  // (its barriers also order the reads before the writes)
+  const int e = unit_for(m);
   const float sc = pow2i(e);
   CUTE_UNROLL
   for (int k = 0; k < kRuns; ++k) {
@@ -215,6 +217,23 @@ __device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid
     sts128(smem_u32(tile) + 16u * (tid + kGradThreads * k), x[k]);
   }
   return e;
+}
+
+// dst = diag(f) src for a 64 x 128 fp16 TokD_K tile (dst in the same layout), f(row) a factor.
+template <class F>
+__device__ __forceinline__ void scale_rows_fp16(const uint8_t* src, uint8_t* dst, int tid, F f) {
+  for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+    const int r = (u & 511) >> 3;
+    uint4 x = lds_u128(smem_u32(src) + 16u * u);
+    uint32_t* px = &x.x;
+    const float sc = f(r);
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = unpack2<cutlass::half_t>(px[i]);
+      px[i] = pack2<cutlass::half_t>(v.x * sc, v.y * sc);
+    }
+    sts128(smem_u32(dst) + 16u * u, x);
+  }
 }
 
 template <class T>
@@ -299,6 +318,16 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     return v;
   };
   auto fac2 = [&](const float* x) { return make_float2(x[row0], x[row0 + 8]); };
+  // A 64 x 32 part of R (this warpgroup's columns c32 ..): its row sums into rsum, its column
+  // sums into this warp's slot (fixed order: no atomics).
+  auto add_r = [&](const auto& r, float2& rsum) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(r); i += 2) {
+      if (acc_half(i)) rsum.y += r(i) + r(i + 1);
+      else rsum.x += r(i) + r(i + 1);
+    }
+    add_col_sums(r, c32t, sColR + warp * kC, c32, lane);
+  };
 
   QLA_PHASES(10);
   for (int gi = 0; gi < group; ++gi) {
@@ -344,36 +373,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sm + kGrV + h * kQKBytes / 2), len, tid, kGradThreads);
     // dO's unit, and the common units of the rows of S (cS) and of dU, dSn (cU).
     int cS = min(escS[0], escS[1]), cU = min(escU[0], escU[1]);
-    float mdo = 0.f;
-    constexpr int kRuns = kQKBytes / 16 / kGradThreads;
-    uint4 od[kRuns];
-    CUTE_UNROLL
-    for (int k = 0; k < kRuns; ++k) {
-      const int u = tid + kGradThreads * k;
-      od[k] = ((u & 511) >> 3) < len ? lds_u128(smem_u32(sm + kGrO) + 16u * u) : make_uint4(0u, 0u, 0u, 0u);
-      const uint32_t* px = &od[k].x;
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<T>(px[i]);
-        mdo = fmaxf(mdo, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
-    }
     QLA_PHASE(0);
-    cta_reduce(mdo, cS, cU, sRed, tid);
-    const int edo = unit_for(mdo);
-    {
-      const float sc = pow2i(edo);
-      CUTE_UNROLL
-      for (int k = 0; k < kRuns; ++k) {
-        uint32_t* px = &od[k].x;
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = unpack2<T>(px[i]);
-          px[i] = pack2<H>(f.x * sc, f.y * sc);
-        }
-        sts128(smem_u32(sm + kGrO) + 16u * (tid + kGradThreads * k), od[k]);
-      }
-    }
+    const int edo = tile_to_fp16_unit<T>(sm + kGrO, len, tid, sRed, cS, cU);
     fence_async_smem();
     __syncthreads();  // K', Q', dO', Tu', T', the gates and the zeroed V rows
     QLA_PHASE(1);
@@ -466,12 +467,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         b32(i) = p.scale * E * dp * rh(eqri, i) * pow2i(-kexp[j]);  // 2^-eq_i dA 2^-ek_j
         ma = fmaxf(ma, fabsf(b32(i)));
       }
-      CUTE_UNROLL
-      for (int i = 0; i < size(rr); i += 2) {
-        if (acc_half(i)) rR.y += rr(i) + rr(i + 1);
-        else rR.x += rr(i) + rr(i + 1);
-      }
-      add_col_sums(rr, c32t, sColR + warp * kC, c32, lane);
+      add_r(rr, rR);
     }
     const int cA = unit_for(cta_max(ma, sRed, tid));
     {
@@ -574,20 +570,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     float mz = 0.f;
     if (tid < kC) mz = sEgZ[tid];
     const int ckw = unit_for(cta_max(mz, sRed, tid)) - 1;  // (K' rows: |entries| < 2^1/2)
-    for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
-      const int r = (u & 511) >> 3;
-      uint4 x = lds_u128(smem_u32(sm + kGrK) + 16u * u);
-      uint32_t* px = &x.x;
-      const float sc = sEgZ[r] * pow2i(ckw);
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<H>(px[i]);
-        px[i] = pack2<H>(f.x * sc, f.y * sc);
-      }
-      sts128(smem_u32(sm + kGrU) + 16u * u, x);
-    }
+    scale_rows_fp16(sm + kGrK, sm + kGrU, tid, [&](int r) { return sEgZ[r] * pow2i(ckw); });
     // Vs = 2^ev V in place (the dbeta row dot has read the raw V).
-    const int ev = tile_to_fp16_unit<T>(sm + kGrV, len, tid, sRed);
+    int no0 = 0, no1 = 0;
+    const int ev = tile_to_fp16_unit<T>(sm + kGrV, len, tid, sRed, no0, no1);
     fence_async_smem();
     __syncthreads();  // dKbs, Kw, Vs
     QLA_PHASE(6);
@@ -611,18 +597,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       stmatrix_rows<64>(tWs, wt, [&](int i) { return acc2(i) * g; });
     }
     // BK' = beta_i 2^(et - ek_i) K'_i over Ds's second half.
-    for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
-      const int r = (u & 511) >> 3;
-      uint4 x = lds_u128(smem_u32(sm + kGrK) + 16u * u);
-      uint32_t* px = &x.x;
-      const float sc = sBeta[r] * pow2i(et - kexp[r]);
-      CUTE_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<H>(px[i]);
-        px[i] = pack2<H>(f.x * sc, f.y * sc);
-      }
-      sts128(smem_u32(sm + kGrD + kQKBytes) + 16u * u, x);
-    }
+    scale_rows_fp16(sm + kGrK, sm + kGrD + kQKBytes, tid, [&](int r) { return sBeta[r] * pow2i(et - kexp[r]); });
     fence_async_smem();
     __syncthreads();  // Uvs, Ws, BK'
     QLA_PHASE(7);
@@ -648,12 +623,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         a32(i) = E * dl * pow2i(-kexp[j]);  // dM diag(2^-ek)
         mm = fmaxf(mm, fabsf(a32(i)));
       }
-      CUTE_UNROLL
-      for (int i = 0; i < size(kk); i += 2) {
-        if (acc_half(i)) rR.y += kk(i) + kk(i + 1);
-        else rR.x += kk(i) + kk(i + 1);
-      }
-      add_col_sums(kk, c32t, sColR + warp * kC, c32, lane);
+      add_r(kk, rR);
     }
     const int cm = unit_for(cta_max(mm, sRed, tid));  // (after it: every read of dA'' is done)
     {
@@ -721,7 +691,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     QLA_PHASE(9);
   }
-  QLA_PHASES_PRINT("gradients (loads + units, dO' + barrier, rows v: dv, U, stores, dq1 + P + dP + dA'', dq2 + dK_P + dK_d, "
+  QLA_PHASES_PRINT("gradients (loads, dO' and units + barrier, rows v: dv, U, stores, dq1 + P + dP + dA'', dq2 + dK_P + dK_d, "
                    "dW + dVb, dKb + Kw + Vs, Uv + W + BK', dL + KK + dM'', dM K + dM^T BK + dg)", 10, group);
   // dq, dk of the group, once.
   {

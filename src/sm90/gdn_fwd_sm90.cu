@@ -583,23 +583,28 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
   return Status::Ok();
 }
 
-// Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
-// section 10, build step 2): the chunk table and the inverse kernel into p.workspace (the fused
-// forward's unsplit layout), then gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or
-// 128): d_o and d(final state) dht (optional) in, d(initial state) dh0 out, both in p.state_layout;
-// each chunk's fragments for the gradients into grad_frags (kFragRegionBytes per region) unless null.
-// Test builds: the chunk table and the inverse kernel into p.workspace (the fused forward's unsplit
-// layout), then the arguments of a whole-sequence pass over them, v_map's tensor in V's slot.
-template <class T>
-Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp, void* tm = nullptr) {
+// Test builds: where the backward's test passes find the chunk table and the regions in
+// p.workspace (the fused forward's unsplit layout).
+Status test_table_regions(const GdnForwardParams& p, const char* what, int*& table, void*& regions) {
   SplitChoice sc;
   sc.fused = true;
   const WsLayout wl = ws_layout(p, sc);
-  Status s = check_workspace("sm90 backward pass (test)", p.workspace, p.workspace_bytes, wl.total);
+  Status s = check_workspace(what, p.workspace, p.workspace_bytes, wl.total);
   if (!s.ok()) return s;
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  int* table = reinterpret_cast<int*>(ws + wl.table);
-  void* regions = ws + wl.regions;
+  table = reinterpret_cast<int*>(ws + wl.table);
+  regions = ws + wl.regions;
+  return Status::Ok();
+}
+
+// Test builds: the chunk table and the inverse kernel into p.workspace, then the arguments of a
+// whole-sequence pass over them, v_map's tensor in V's slot.
+template <class T>
+Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp, void* tm = nullptr) {
+  int* table = nullptr;
+  void* regions = nullptr;
+  Status s = test_table_regions(p, "sm90 backward pass (test)", table, regions);
+  if (!s.ok()) return s;
   s = launch_inverse_alone<T>(p, regions, tm);  // the chunk table (at the workspace's start) and the regions
   if (!s.ok()) return s;
   CUtensorMap tmq, tmk, tmv;
@@ -636,6 +641,11 @@ Status launch_states_alone(const GdnForwardParams& p, void* grad_frags, void* tm
   return Status::Ok();
 }
 
+// Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
+// section 10, build step 2): the chunk table and the inverse kernel into p.workspace, then
+// gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or 128): d_o and d(final state)
+// dht (optional) in, d(initial state) dh0 out, both in p.state_layout;
+// each chunk's fragments for the gradients into grad_frags (kFragRegionBytes per region) unless null.
 template <class T, int kMathWGs>
 Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
                             void* grad_frags) {
@@ -668,16 +678,14 @@ Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const
                           const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
                           const MutTensorRef& dbeta) {
   if (num_seqs(p) == 0) return Status::Ok();
-  SplitChoice sc;
-  sc.fused = true;
-  const WsLayout wl = ws_layout(p, sc);
-  Status s = check_workspace("sm90 gradients (test)", p.workspace, p.workspace_bytes, wl.total);
+  int* table = nullptr;
+  void* regions = nullptr;
+  Status s = test_table_regions(p, "sm90 gradients (test)", table, regions);
   if (!s.ok()) return s;
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
   ChunkGradParams gp{};
   gp.sd = seq_desc(p);
-  gp.chunk_off = reinterpret_cast<const int*>(ws + wl.table);
-  gp.regions = ws + wl.regions;
+  gp.chunk_off = table;
+  gp.regions = regions;
   gp.frags = frags;
   gp.N = static_cast<int>(num_seqs(p));
   gp.H = static_cast<int>(p.shape.num_qk_heads);
