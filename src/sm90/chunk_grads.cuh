@@ -166,6 +166,7 @@ __device__ __forceinline__ void grad_rs(MMA& mma, int wt, RA& rA, const TB& sB, 
 // A 64 x 128 TokD_K tile of 16-bit T in place to fp16 times 2^e[row] (rows past len zeroed).
 template <class T>
 __device__ __forceinline__ void tile_to_fp16(uint8_t* tile, const int8_t* e, int len, int tid) {
+#pragma unroll 1  // (rolled: the kernel's code must stay small, docs/design.md bwd-18)
   for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
     const int r = (u & 511) >> 3;  // a 16-byte run lies in one row: row (u % 512) / 8
     const uint32_t a = smem_u32(tile) + 16u * u;
@@ -189,14 +190,12 @@ __device__ __forceinline__ void tile_to_fp16(uint8_t* tile, const int8_t* e, int
 // reduction.
 template <class T>
 __device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid, float* red, int& e0, int& e1) {
-  constexpr int kRuns = kQKBytes / 16 / kGradThreads;
-  uint4 x[kRuns];
   float m = 0.f;
-  CUTE_UNROLL
-  for (int k = 0; k < kRuns; ++k) {
-    const int u = tid + kGradThreads * k;
-    x[k] = ((u & 511) >> 3) < len ? lds_u128(smem_u32(tile) + 16u * u) : make_uint4(0u, 0u, 0u, 0u);
-    const uint32_t* px = &x[k].x;
+#pragma unroll 1  // (two rolled passes, the second reading the tile again: less code than one unrolled)
+  for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+    if (((u & 511) >> 3) >= len) continue;
+    const uint4 x = lds_u128(smem_u32(tile) + 16u * u);
+    const uint32_t* px = &x.x;
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const float2 f = unpack2<T>(px[i]);
@@ -206,15 +205,19 @@ __device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid
   cta_reduce(m, e0, e1, red, tid);  // (its barriers also order the reads before the writes)
   const int e = unit_for(m);
   const float sc = pow2i(e);
-  CUTE_UNROLL
-  for (int k = 0; k < kRuns; ++k) {
-    uint32_t* px = &x[k].x;
-    CUTE_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = unpack2<T>(px[i]);
-      px[i] = pack2<cutlass::half_t>(f.x * sc, f.y * sc);
+#pragma unroll 1
+  for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (((u & 511) >> 3) < len) {
+      x = lds_u128(smem_u32(tile) + 16u * u);
+      uint32_t* px = &x.x;
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(px[i]);
+        px[i] = pack2<cutlass::half_t>(f.x * sc, f.y * sc);
+      }
     }
-    sts128(smem_u32(tile) + 16u * (tid + kGradThreads * k), x[k]);
+    sts128(smem_u32(tile) + 16u * u, x);
   }
   return e;
 }
@@ -222,6 +225,7 @@ __device__ __forceinline__ int tile_to_fp16_unit(uint8_t* tile, int len, int tid
 // dst = diag(f) src for a 64 x 128 fp16 TokD_K tile (dst in the same layout), f(row) a factor.
 template <class F>
 __device__ __forceinline__ void scale_rows_fp16(const uint8_t* src, uint8_t* dst, int tid, F f) {
+#pragma unroll 1
   for (int u = tid; u < kQKBytes / 16; u += kGradThreads) {
     const int r = (u & 511) >> 3;
     uint4 x = lds_u128(smem_u32(src) + 16u * u);
@@ -345,6 +349,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         tma_load_4d(sm + kGrO + h * kQKBytes / 2, &p.tmdo, h * 64, hv, tok, bb, &bar[1]);
       }
     }
+#pragma unroll 1
     for (int k = tid; k < kImgTokTok * 2 / 16; k += kGradThreads) {
       reinterpret_cast<uint4*>(sm + kGrTu)[k] = reinterpret_cast<const uint4*>(regb + kInvImg)[k];
       reinterpret_cast<uint4*>(sm + kGrTm)[k] = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.tm) + region * (kImgTokTok * 2))[k];
@@ -369,7 +374,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       tile_to_fp16<T>(sm + kGrQ, qexp, len, tid);
     }
     mbar_wait(&bar[1], gi & 1);
-    CUTE_UNROLL
+#pragma unroll 1
     for (int h = 0; h < 2; ++h) zero_box_rows(smem_u32(sm + kGrV + h * kQKBytes / 2), len, tid, kGradThreads);
     // dO's unit, and the common units of the rows of S (cS) and of dU, dSn (cU).
     int cS = min(escS[0], escS[1]), cU = min(escU[0], escU[1]);
@@ -392,11 +397,20 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
       grad_rs(mmaV, wt, rU16, ttT(kGrTu), acc, GMMA::ScaleOut::Zero);
       {
         const float uf[2] = {pow2i(-et - escU[0]), pow2i(-et - escU[1])};
-        T* dvg = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2] + c64;
+        // Element 4 k + 2 h + e is (v, t) = (row0 + 8 h, 8 k + tq + e): one pointer walks the
+        // column blocks (cheap addressing keeps the code small).
+        const int tq = 2 * (lane & 3);
+        const int64_t s1 = p.sdv[1];
+        T* pk = static_cast<T*>(p.dv) + b * p.sdv[0] + static_cast<int64_t>(hv) * p.sdv[2] + c64 + row0 + (t0 + tq) * s1;
         CUTE_UNROLL
-        for (int i = 0; i < size(acc); ++i) {
-          const int v = get<0>(cV(i)), t = get<1>(cV(i));
-          if (t < len) dvg[(t0 + t) * p.sdv[1] + v] = T(acc(i) * uf[acc_half(i)]);
+        for (int k = 0; k < size(acc) / 4; ++k, pk += 8 * s1) {
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            if (8 * k + tq + e < len) {
+              pk[e * s1] = T(acc(4 * k + e) * uf[0]);
+              pk[e * s1 + 8] = T(acc(4 * k + 2 + e) * uf[1]);
+            }
+          }
         }
       }
       const float uu[2] = {pow2i(cU - escU[0]), pow2i(cU - escU[1])};
@@ -501,6 +515,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     }
     // <dSn, S> (e^Gamma times it joins dg): Ss and Ds share their layout.
     float sdot = 0.f;
+#pragma unroll 1
     for (int u = tid; u < 2 * kQKBytes / 16; u += kGradThreads) {
       const uint4 x = lds_u128(smem_u32(sm + kGrS) + 16u * u), y = lds_u128(smem_u32(sm + kGrD) + 16u * u);
       const uint32_t* px = &x.x;
@@ -695,14 +710,23 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
                    "dW + dVb, dKb + Kw + Vs, Uv + W + BK', dL + KK + dM'', dM K + dM^T BK + dg)", 10, group);
   // dq, dk of the group, once.
   {
-    T* dqg = static_cast<T*>(p.dq) + b * p.sdq[0] + static_cast<int64_t>(hq) * p.sdq[2] + c64;
-    T* dkg = static_cast<T*>(p.dk) + b * p.sdk[0] + static_cast<int64_t>(hq) * p.sdk[2] + c64;
+    // Element 4 k + 2 h + e is (t, d) = (row0 + 8 h, 8 k + tq + e).
+    const int tq = 2 * (lane & 3);
+    T* dqg = static_cast<T*>(p.dq) + b * p.sdq[0] + static_cast<int64_t>(hq) * p.sdq[2] + c64 + tq + (t0 + row0) * p.sdq[1];
+    T* dkg = static_cast<T*>(p.dk) + b * p.sdk[0] + static_cast<int64_t>(hq) * p.sdk[2] + c64 + tq + (t0 + row0) * p.sdk[1];
     CUTE_UNROLL
-    for (int i = 0; i < size(dqAcc); ++i) {
-      const int t = get<0>(cc(i)), d = get<1>(cc(i));
-      if (t < len) {
-        dqg[(t0 + t) * p.sdq[1] + d] = T(dqAcc(i));
-        dkg[(t0 + t) * p.sdk[1] + d] = T(dkAcc(i));
+    for (int h = 0; h < 2; ++h) {
+      if (row0 + 8 * h < len) {
+        T* q = dqg + 8 * h * p.sdq[1];
+        T* k = dkg + 8 * h * p.sdk[1];
+        CUTE_UNROLL
+        for (int i = 0; i < size(dqAcc) / 4; ++i) {
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            q[8 * i + e] = T(dqAcc(4 * i + 2 * h + e));
+            k[8 * i + e] = T(dkAcc(4 * i + 2 * h + e));
+          }
+        }
       }
     }
   }
