@@ -349,10 +349,15 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
         tma_load_4d(sm + kGrO + h * kQKBytes / 2, &p.tmdo, h * 64, hv, tok, bb, &bar[1]);
       }
     }
+    // This warpgroup's chunk operands toward L2 now (read from the rows-v block on), the Tu' and
+    // T' images into shared memory without a register round trip (waited for before the barrier
+    // ahead of their first product).
+    for (int k = wt; k < kFragBlockBytes / 128; k += 128) prefetch_l2(fb + 128u * k);
+    const uint8_t* tmb = static_cast<const uint8_t*>(p.tm) + region * (kImgTokTok * 2);
 #pragma unroll 1
     for (int k = tid; k < kImgTokTok * 2 / 16; k += kGradThreads) {
-      reinterpret_cast<uint4*>(sm + kGrTu)[k] = reinterpret_cast<const uint4*>(regb + kInvImg)[k];
-      reinterpret_cast<uint4*>(sm + kGrTm)[k] = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.tm) + region * (kImgTokTok * 2))[k];
+      cp_async16(smem_u32(sm + kGrTu) + 16u * k, regb + kInvImg + 16u * k);
+      cp_async16(smem_u32(sm + kGrTm) + 16u * k, tmb + 16u * k);
     }
     if (tid < kC) {
       sGam[tid] = reinterpret_cast<const float*>(regb + kInvGam)[tid];
@@ -380,6 +385,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
     int cS = min(escS[0], escS[1]), cU = min(escU[0], escU[1]);
     QLA_PHASE(0);
     const int edo = tile_to_fp16_unit<T>(sm + kGrO, len, tid, sRed, cS, cU);
+    cp_async_wait_all();
     fence_async_smem();
     __syncthreads();  // K', Q', dO', Tu', T', the gates and the zeroed V rows
     QLA_PHASE(1);
