@@ -261,6 +261,8 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                "cudaFuncSetAttribute(gdn_recur_ws)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmem),
                "cudaFuncSetAttribute(gdn_fwd_inverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_inverse<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kInvSmemTm),
+               "cudaFuncSetAttribute(gdn_fwd_inverse<T'>)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1>)");
@@ -344,12 +346,21 @@ bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms)
   return 5 * c.total >= 4 * N * c.longest;  // the mean length at least 0.8 of the longest
 }
 
+// The backward's states pass (docs/backward.md section 10) runs the forward's launch with these
+// set: the lean kernel in every pass (no o), storing each chunk's entering state S' as fragments
+// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits; tm, when
+// set, takes the inverse kernel's T' images (its backward instantiation).
+struct StatesPass {
+  void* frags = nullptr;
+  void* tm = nullptr;
+};
+
 // The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
 // (kInvRegionBytes each), then the fused recurrence, in stream order; the V tile by
-// fused_v_tile_128.
+// fused_v_tile_128. With `states`, the backward's states pass instead (StatesPass).
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
-                    const CUtensorMap& tmk, const SeqDesc& sd, int sms) {
+                    const CUtensorMap& tmk, const SeqDesc& sd, int sms, const StatesPass* states = nullptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
@@ -396,9 +407,16 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     pp.regions = regions;
     set_inverse_items(pp, inv_group);
     pp.ready = ready;  // (then launched in stream order: the recurrence beside it reads the chunk table)
-    QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups), kInvSmem,
-                               stream, pp),
-                 "launch gdn_fwd_inverse");
+    if (states && states->tm) {
+      pp.tm = states->tm;
+      QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T, true>, dim3(inv_grid), dim3(128 * kInvWarpgroups),
+                                 kInvSmemTm, stream, pp),
+                   "launch gdn_fwd_inverse (T')");
+    } else {
+      QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups),
+                                 kInvSmem, stream, pp),
+                   "launch gdn_fwd_inverse");
+    }
   }
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
@@ -407,6 +425,10 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.ready = ready;
 #endif
   rp.scale = static_cast<float>(p.scale);
+  if (states) {
+    rp.o = nullptr;
+    rp.grad_frags = states->frags;
+  }
   bool vt128 = fused_v_tile_128(p, N, HV, sms);
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_fused > 0) vt128 = g_test_fused == 128;
@@ -446,7 +468,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     return Status::Ok();
   };
   rp.pass = 0;
-  if (!sc.max_pieces) return chunks(vt128, false);
+  if (!sc.max_pieces) return states ? chunks(false, true) : chunks(vt128, false);
   s = chunks(false, true);
   if (!s.ok()) return s;
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
@@ -458,7 +480,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_pass1_vt) vt128_pass1 = g_test_pass1_vt == 128;
 #endif
-  return chunks(vt128_pass1, false);
+  return states ? chunks(false, true) : chunks(vt128_pass1, false);
 }
 
 // sc, wl: the split plan and workspace layout, made once per call by forward().
@@ -619,26 +641,29 @@ Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecPa
   return Status::Ok();
 }
 
-// Test builds only: the backward's states pass (build step 3): the lean kernel over whole
-// sequences, no o, each chunk's entering state into grad_frags (kFragS; kFragRegionBytes per
-// region), the final state into p.final_state; the inverse kernel before it also leaves the T'
-// images in tm (8 KiB per region) unless null.
+// Test builds only: the backward's states pass (StatesPass) as the library will run it: the
+// forward's plan (split where the forward splits; the fused kernels where the forward would take
+// the two-pass one), its workspace layout in p.workspace.
 template <class T>
-Status launch_states_alone(const GdnForwardParams& p, void* grad_frags, void* tm) {
+Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   if (num_seqs(p) == 0) return Status::Ok();
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)FusedCfg<1>::kSmem),
-               "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
-  RecParams rp;
-  Status s = test_pass_params<T>(p, p.v, rp, tm);
+  DeviceInfo* dinfo = nullptr;
+  Status s = device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<T>(dinfo);
   if (!s.ok()) return s;
-  rp.o = nullptr;
-  rp.tiles_log2 = 1;
-  rp.grad_frags = grad_frags;
-  gdn_fwd_chunks<T, 1, true><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads), 2),
-                               FusedCfg<1>::kThreads, FusedCfg<1>::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_fwd_chunks (states)");
-  return Status::Ok();
+  SplitChoice sc = forward_choice(p, dinfo->sms);
+  sc.fused = true;
+  const WsLayout wl = ws_layout(p, sc);
+  s = check_workspace("sm90 states pass (test)", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  CUtensorMap tmq, tmk;
+  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (!s.ok()) return s;
+  StatesPass sp;
+  sp.frags = grad_frags;
+  sp.tm = tm;
+  return launch_fused<T>(p, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
 }
 
 // Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
@@ -771,8 +796,8 @@ size_t test_fragment_layout(int i) {
 Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* tm) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_states_alone<cutlass::bfloat16_t>(p, grad_frags, tm)
-                                       : launch_states_alone<cutlass::half_t>(p, grad_frags, tm);
+  return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, grad_frags, tm)
+                                       : launch_states<cutlass::half_t>(p, grad_frags, tm);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

@@ -1410,7 +1410,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
-  bool do_states = false, do_grads = false, do_grads_bench = false;
+  bool do_states = false, do_grads = false, do_grads_bench = false, do_grads_bench_grid = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
   int grads_profile_row = -1;    // --grads-profile R: one gradients kernel of bench row R (phase timers, ncu)
@@ -1429,6 +1429,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--grads") do_grads = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
     if (std::string(argv[i]) == "--grads-bench") do_grads_bench = true;
+    // --grads-bench-grid: the passes on the one-sequence rows of the backward grid (benchmarks.md),
+    // beside the library's backward timed by bench/run_grid.py --kind bwd on the same machine.
+    if (std::string(argv[i]) == "--grads-bench-grid") do_grads_bench_grid = true;
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--grads-profile" && i + 1 < argc) grads_profile_row = std::atoi(argv[++i]);
   }
@@ -1489,7 +1492,7 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench) {  // the fused backward's parts (test builds)
+  if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench || do_grads_bench_grid) {  // the fused backward's parts (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     // The backward's cases: the reverse chain at both V tiles, the states pass, the gradients.
     const std::vector<Case> rc = do_reverse || do_states || do_grads ? reverse_cases() : std::vector<Case>{};
@@ -1500,6 +1503,15 @@ int main(int argc, char** argv) {
     if (do_grads_bench) {
       const std::vector<Case> rows = bench_rows();
       for (int r : {0, 1, 2, 4, 6, 8}) bench_grads(rows[r], stream);
+    }
+    if (do_grads_bench_grid) {
+      for (int64_t T : {8192, 32768})
+        for (int64_t h : {16, 8, 4, 2}) {
+          Case c;
+          c.name = std::to_string(h) + "/" + std::to_string(2 * h) + " 1x" + std::to_string(T);
+          c.B = 1, c.T = T, c.H = h, c.HV = 2 * h;
+          bench_grads(c, stream);
+        }
     }
     if (do_reverse_bench) {
       const std::vector<Case> rows = bench_rows();
