@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""SASS size and register use of each kernel in a binary, largest first.
+
+A kernel whose hot path outgrows the SM's instruction cache waits on instruction fetch (ncu's
+`no_instruction` stall): the gradients kernel at ~10,100 instructions a value head spent 44% of
+its samples there (docs/design.md bwd-18), the fused forward's K2 at 8,816 with four roles 31%
+(fused-34). Check the count after every change to a kernel:
+
+    python3 scripts/sass_count.py build/.../libqla_core.so --filter chunk_grads
+    python3 scripts/sass_count.py .ab/test_binary --filter 'fwd_chunks|fused_reverse'
+
+Counts are of the whole kernel (16 bytes an instruction); the hot loop is part of it.
+cuobjdump is looked up as scripts/check_wheel.py does (PATH, beside nvcc, Triton's copy)."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_wheel import find_cuobjdump, find_nvcc  # noqa: E402
+
+
+def kernels(tool: str, path: str) -> dict:
+    """{mangled name: [instructions, registers, stack frame bytes]}"""
+    out = {}
+    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    name = None
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = [0, 0, 0]
+        elif name and re.match(r"\s+/\*[0-9a-f]+\*/\s+\S", line):
+            out[name][0] += 1
+    res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    name = None
+    for line in res.splitlines():
+        m = re.match(r"\s*Function (\S+):", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"REG:(\d+).*?STACK:(\d+)", line)
+        if name in out and m:
+            out[name][1] = int(m.group(1))
+            out[name][2] = int(m.group(2))  # the stack frame (spills live there)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("binary", help="an executable, shared library or cubin with sm_90a SASS")
+    ap.add_argument("--filter", default="", help="regular expression on the mangled kernel name")
+    args = ap.parse_args()
+    tool = find_cuobjdump(find_nvcc() or "")
+    if not tool:
+        print("cuobjdump not found (PATH, beside nvcc, or Triton's package)", file=sys.stderr)
+        return 2
+    rows = [(n, v) for n, v in kernels(tool, args.binary).items() if re.search(args.filter, n)]
+    rows.sort(key=lambda r: -r[1][0])
+    print(f"{'instructions':>12} {'KiB':>6} {'regs':>5} {'stack B':>8}  kernel")
+    for n, (ins, regs, stack) in rows:
+        print(f"{ins:12d} {ins * 16 / 1024:6.1f} {regs:5d} {stack:8d}  {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
