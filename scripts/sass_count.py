@@ -21,29 +21,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_wheel import find_cuobjdump, find_nvcc  # noqa: E402
 
 
+def by_kernel(text: str, header: str):
+    """(kernel, line) for each line of cuobjdump's output after a header naming the kernel."""
+    name = None
+    for line in text.splitlines():
+        m = re.match(header, line)
+        if m:
+            name = m.group(1)
+        elif name:
+            yield name, line
+
+
 def kernels(tool: str, path: str) -> dict:
     """{mangled name: [instructions, registers, stack frame bytes]}"""
+    dump = lambda flag: subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
     out = {}
-    sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    name = None
-    for line in sass.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            name = m.group(1)
-            out[name] = [0, 0, 0]
-        elif name and re.match(r"\s+/\*[0-9a-f]+\*/\s+\S", line):
-            out[name][0] += 1
-    res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    name = None
-    for line in res.splitlines():
-        m = re.match(r"\s*Function (\S+):", line)
-        if m:
-            name = m.group(1)
-            continue
+    for name, line in by_kernel(dump("-sass"), r"\s*Function : (\S+)"):
+        out.setdefault(name, [0, 0, 0])
+        out[name][0] += bool(re.match(r"\s+/\*[0-9a-f]+\*/\s+\S", line))
+    for name, line in by_kernel(dump("-res-usage"), r"\s*Function (\S+):"):
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", line)
         if name in out and m:
-            out[name][1] = int(m.group(1))
-            out[name][2] = int(m.group(2))  # the stack frame (spills live there)
+            out[name][1:] = [int(m.group(1)), int(m.group(2))]  # (spills live in the stack frame)
     return out
 
 
