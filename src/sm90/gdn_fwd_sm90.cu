@@ -407,16 +407,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     pp.regions = regions;
     set_inverse_items(pp, inv_group);
     pp.ready = ready;  // (then launched in stream order: the recurrence beside it reads the chunk table)
-    if (states && states->tm) {
-      pp.tm = states->tm;
-      QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T, true>, dim3(inv_grid), dim3(128 * kInvWarpgroups),
-                                 kInvSmemTm, stream, pp),
-                   "launch gdn_fwd_inverse (T')");
-    } else {
-      QLA_CUDA_TRY(launch_kernel(dependent && !ready, gdn_fwd_inverse<T>, dim3(inv_grid), dim3(128 * kInvWarpgroups),
-                                 kInvSmem, stream, pp),
-                   "launch gdn_fwd_inverse");
-    }
+    const bool with_tm = states && states->tm;  // the backward instantiation, which also stores T'
+    pp.tm = with_tm ? states->tm : nullptr;
+    QLA_CUDA_TRY(launch_kernel(dependent && !ready, with_tm ? gdn_fwd_inverse<T, true> : gdn_fwd_inverse<T>,
+                               dim3(inv_grid), dim3(128 * kInvWarpgroups), with_tm ? kInvSmemTm : kInvSmem, stream, pp),
+                 "launch gdn_fwd_inverse");
   }
   RecParams rp = rec_params(p, tmq, tmk, sd, table, regions);
   rp.tmv = tmv;
@@ -622,12 +617,12 @@ Status test_table_regions(const GdnForwardParams& p, const char* what, int*& tab
 // Test builds: the chunk table and the inverse kernel into p.workspace, then the arguments of a
 // whole-sequence pass over them, v_map's tensor in V's slot.
 template <class T>
-Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp, void* tm = nullptr) {
+Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp) {
   int* table = nullptr;
   void* regions = nullptr;
   Status s = test_table_regions(p, "sm90 backward pass (test)", table, regions);
   if (!s.ok()) return s;
-  s = launch_inverse_alone<T>(p, regions, tm);  // the chunk table (at the workspace's start) and the regions
+  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
   if (!s.ok()) return s;
   CUtensorMap tmq, tmk, tmv;
   s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
