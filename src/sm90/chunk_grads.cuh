@@ -152,15 +152,7 @@ __device__ __forceinline__ void grad_ss(int wt, const TA& sA, const TB& sB, Acc&
 // As above with a register A operand (fp16, accumulator order).
 template <class MMA, class RA, class TB, class Acc>
 __device__ __forceinline__ void grad_rs(MMA& mma, int wt, RA& rA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
-  auto thr = mma.get_thread_slice(wt);
-  Tensor rB = thr.partition_fragment_B(sB);
-  warpgroup_fence_operand(rA);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  gemm_k(mma, rA, rB, acc, first);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  product_sync(mma, rA, mma.get_thread_slice(wt).partition_fragment_B(sB), acc, first);
 }
 
 // A 64 x 128 TokD_K tile of 16-bit T in place to fp16 times 2^e[row] (rows past len zeroed).

@@ -376,6 +376,19 @@ __device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const c
   warpgroup_fence_operand(acc);
 }
 
+// One wgmma product acc (+)= A B with a register A operand (fp16, accumulator order), as its own
+// batch, waited for.
+template <class MMA, class RA, class RB, class Acc>
+__device__ __forceinline__ void product_sync(MMA& mma, RA& rA, const RB& rB, Acc& acc, GMMA::ScaleOut first) {
+  warpgroup_fence_operand(rA);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  gemm_k(mma, rA, rB, acc, first);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
 // A warpgroup's 64 x N fp32 accumulator rows as fp16 into the K-major (row, column) tensor t, by
 // stmatrix: element i of the accumulator becomes value(i). Lane l addresses row l % 8 of block
 // l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes.
@@ -842,26 +855,16 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       auto thrL = mmaL.get_thread_slice(wt);
       Tensor accL = partition_fragment_C(mmaL, Shape<_64, _64>{});
       Tensor cL = thrL.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-      // One product as its own wgmma batch, waited for.
-      auto product = [&](auto& mma, auto& rA, const auto& rB, auto& acc, GMMA::ScaleOut first) {
-        warpgroup_fence_operand(rA);
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
-        gemm_k(mma, rA, rB, acc, first);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
-      };
       Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
-      product(mmaL, rS16, thrL.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0))), accL,
+      product_sync(mmaL, rS16, thrL.partition_fragment_B(local_tile(tQK, Shape<_64, _128>{}, make_coord(0, 0))), accL,
               GMMA::ScaleOut::Zero);
       form_z<T>(accL, cL, vp, sEgZ, sc, rZ16);
       Tensor tTW = make_tensor(make_smem_ptr(sTW), TW_K{});
-      product(mmaL, rZ16, thrL.partition_fragment_B(local_tile(tTW, Shape<_64, _64>{}, make_coord(0, 0))), accL,
+      product_sync(mmaL, rZ16, thrL.partition_fragment_B(local_tile(tTW, Shape<_64, _64>{}, make_coord(0, 0))), accL,
               GMMA::ScaleOut::Zero);
       x_and_decay(accL, cL, sEgk, rX16, accS, f, eG);
       Tensor tK = make_tensor(make_smem_ptr(sQK), QK_MN{});
-      product(mmaS, rX16, thrS.partition_fragment_B(local_tile(tK, Shape<_128, _64>{}, make_coord(0, 0))), accS,
+      product_sync(mmaS, rX16, thrS.partition_fragment_B(local_tile(tK, Shape<_128, _64>{}, make_coord(0, 0))), accS,
               GMMA::ScaleOut::One);
       mbar_arrive(&empty[st]);  // every read of the stage is done
       continue;

@@ -1006,8 +1006,9 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   return ok;
 }
 
-// The backward's states pass (the lean kernel's states role): each chunk's entering state S'
-// against the fp64 forward's, and the final state; poisoned buffers, bitwise repeatable.
+// The backward's states pass (the forward's launch with a StatesPass: the lean kernel's states
+// role, split where the forward's plan splits): each chunk's entering state S' against the fp64
+// forward's, and the final state; poisoned buffers, bitwise repeatable.
 static bool check_states(const Case& c, uint64_t seed, cudaStream_t stream) {
   Problem P = make_problem(c);
   make_inputs(P, seed);
