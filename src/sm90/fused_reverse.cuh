@@ -317,8 +317,79 @@ __device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& 
   }
 }
 
-// The reverse chain: RecParams as the fused forward's (whole sequences; tiles_log2 = 1 at V tile
-// 64, 0 at 128), with tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT
+// A reverse-chain CTA's role (docs/backward.md "Build step 4, second half"). Unsplit calls (no
+// pieces): one pass, each sequence from d(final state) to d(initial state). Split calls (the
+// forward's plan, its exact path everywhere: maps M_j of pieces 0 .. np - 2 in `maps`):
+//   pass 0: pieces 1 .. np - 1 alone, the last from d(final state), the others from zero; each
+//           writes the gradient entering it into the R columns of the map slot before its own
+//           (the last one's is the gradient leaving piece np - 2, the others' D_j);
+//   gdn_bwd_scan turns the D_j into the gradients leaving pieces np - 3 .. 0;
+//   pass 1: every piece from the gradient leaving it (its slot; d(final state) for the last),
+//           with the fragments; piece 0 writes d(initial state). Whole sequences run here.
+__device__ __forceinline__ PieceRole reverse_role(const RecParams& p, const PieceCta& c, int nr) {
+  PieceRole r{true, 0, 0, 0, kInitH0, kEndFinal, true};
+  const int nch = static_cast<int>((c.slen + kC - 1) / kC);
+  r.c0 = c.j * c.sp.len;
+  r.nch = min(c.sp.len, nch - r.c0);
+  const bool last = c.j == c.sp.np - 1;
+  r.run = c.vt < nr;
+  if (!p.pieces) return r;
+  if (p.pass == 0) {
+    r.run = r.run && c.j > 0;
+    r.init = last ? kInitH0 : kInitZero;
+    r.end = kEndMaps;
+    r.out = false;
+    return r;
+  }
+  r.init = last ? kInitH0 : kInitMaps;
+  r.end = c.j == 0 ? kEndFinal : kEndNone;
+  return r;
+}
+
+// The scan between the reverse chain's passes: X_s = M_{s+1}^T X_{s+1} + D_{s+1} for s = np - 3
+// down to 0, X_s the gradient leaving piece s ([K][V], the R columns of map slot s, where pass 0
+// left D_{s+1}; X_{np-2} is already there). One CTA per (sequence, value head, kScanCols state
+// columns), a thread per row of X; fp32 products in a fixed order (deterministic). A first
+// version on the CUDA cores (2 MFLOP a step), before a tensor-core one as the forward's scan.
+constexpr int kBwdScanThreads = kDK;
+__global__ void __launch_bounds__(kBwdScanThreads) gdn_bwd_scan(const __grid_constant__ RecParams p) {
+  __shared__ float sX[kDK][kScanCols];  // X_{s+1}'s slice of columns
+  constexpr int slices = kDV / kScanCols;
+  const int hv = static_cast<int>(blockIdx.x / slices), c0 = static_cast<int>(blockIdx.x % slices) * kScanCols;
+  const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
+  if (rank >= p.N || p.chunk_off[p.N + 1]) return;
+  const int n = p.chunk_off[p.N + 2 + rank];
+  int64_t b, t0, slen;
+  seq_bounds(p.sd, n, b, t0, slen);
+  const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), rec_plan(p));
+  if (sp.np < 3) return;
+  const int map0 = p.pieces[rank] - rank, d = static_cast<int>(threadIdx.x);
+  float x[kScanCols];
+  const float* xs = map_at(p, map0 + sp.np - 2, hv) + d * kMapCols + c0;
+  CUTE_UNROLL
+  for (int i = 0; i < kScanCols; ++i) x[i] = xs[i];
+  for (int s = sp.np - 3; s >= 0; --s) {
+    __syncthreads();  // every read of the previous step's slice is done
+    CUTE_UNROLL
+    for (int i = 0; i < kScanCols; ++i) sX[d][i] = x[i];
+    __syncthreads();
+    float* out = map_at(p, map0 + s, hv) + d * kMapCols + c0;  // D_{s+1} in, X_s out
+    const float* m = map_at(p, map0 + s + 1, hv) + kDV + d;  // column d of M_{s+1}: m[dd * kMapCols]
+    CUTE_UNROLL
+    for (int i = 0; i < kScanCols; ++i) x[i] = out[i];
+#pragma unroll 4
+    for (int dd = 0; dd < kDK; ++dd) {
+      const float md = m[static_cast<size_t>(dd) * kMapCols];
+      CUTE_UNROLL
+      for (int i = 0; i < kScanCols; ++i) x[i] = fmaf(md, sX[dd][i], x[i]);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kScanCols; ++i) out[i] = x[i];
+  }
+}
+
+// The reverse chain: RecParams as the fused forward's (tiles_log2 = 1 at V tile 64, 0 at
+// 128; pieces and maps as reverse_role says), with tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT
 // d(initial state), in the state layout vk.
 template <class T, int kMathWGs>
 __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_reverse(const __grid_constant__ RecParams p) {
@@ -348,7 +419,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const PieceRole role = piece_role(p, tile, kDV / Cfg::kVT, false, 0);
+  const PieceRole role = reverse_role(p, tile, kDV / Cfg::kVT);
   if (!role.run) return;
   // Loop step c takes chunk c0 + nch - 1 - c of the sequence (last first).
   const int nch = role.nch;
@@ -417,7 +488,9 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
   Tensor rD16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // D
   Tensor rU16 = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _4>{});  // dU'
   const int v0 = tile.vt * Cfg::kVT + 64 * mw;
-  load_entering_state(p, kInitH0, tile.n, tile.hv, v0, nullptr, nullptr, accS, cS);  // d(final state)
+  // d(final state), or the gradient leaving the piece (its map slot), or zero.
+  load_entering_state(p, role.init, tile.n, tile.hv, v0, role.init == kInitMaps ? map_at(p, tile.map, tile.hv) : nullptr,
+                      nullptr, accS, cS);
   int esc[2] = {0, 0};
   QLA_PHASES(5);  // wait, units and D, decay + dU' issued, D Qg' + dU' copy, W' product
 
@@ -442,7 +515,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
 
     // The gradients' copy of dSn' and its units (before the product: a wgmma's register operand
     // may not be read while it runs).
-    uint8_t* frags = frag_block(p, role_region(c), v0);
+    uint8_t* frags = role.out ? frag_block(p, role_region(c), v0) : nullptr;
     if (frags) store_fragments(rS16, frags + kFragDSn, wt, reinterpret_cast<int*>(frags + kFragEsc), get<0>(cS(0)), esc);
     // dS' = f e^Gamma dS' (its products come below), then dU' = D A'' + dSn' Kd'^T.
     CUTE_UNROLL
@@ -482,7 +555,9 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
   }
   QLA_PHASES_PRINT("reverse math (wait, units + D, decay + dU' issued, D Qg' + dU' copy, W')", 5, nch);
 
-  store_leaving_state<false>(p, kEndFinal, tile.n, tile.hv, v0, nullptr, accS, cS, esc);  // d(initial state)
+  // d(initial state), or (pass 0) the gradient entering the piece into the slot before its own.
+  store_leaving_state<false>(p, role.end, tile.n, tile.hv, v0, role.end == kEndMaps ? map_at(p, tile.map - 1, tile.hv) : nullptr,
+                             accS, cS, esc);
 }
 
 }  // namespace

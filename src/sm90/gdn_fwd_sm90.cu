@@ -348,8 +348,9 @@ bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms)
 
 // The backward's states pass (docs/backward.md section 10) runs the forward's launch with these
 // set: the lean kernel in every pass (no o), storing each chunk's entering state S' as fragments
-// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits; tm, when
-// set, takes the inverse kernel's T' images (its backward instantiation).
+// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits but on the
+// exact path everywhere (the reverse chain's split needs every piece's map); tm, when set, takes
+// the inverse kernel's T' images (its backward instantiation).
 struct StatesPass {
   void* frags = nullptr;
   void* tm = nullptr;
@@ -438,6 +439,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     rp.warm_max = kWarmMaxChunks;
     rp.lean_maps = 1;
     rp.plan_dev = dp.out;
+    if (states) rp.warm_max = 0;  // the exact path: maps for the reverse chain
   }
   // Pass 0 (every forward): whole sequences; or, split, the lean kernel at V tile 64 for the
   // transfer maps (V + K columns) and the first pieces, writing no o; then the scan and pass 1
@@ -601,9 +603,13 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
 }
 
 // Test builds: where the backward's test passes find the chunk table and the regions in
-// p.workspace (the fused forward's unsplit layout).
+// p.workspace: the fused forward's layout for the forward's plan (split or not), which the
+// states pass and the split reverse chain use too.
 Status test_table_regions(const GdnForwardParams& p, const char* what, int*& table, void*& regions) {
-  SplitChoice sc;
+  DeviceInfo* dinfo = nullptr;
+  Status ds = device_info(&dinfo);
+  if (!ds.ok()) return ds;
+  SplitChoice sc = forward_choice(p, dinfo->sms);  // (the states pass's and the split reverse's layout)
   sc.fused = true;
   const WsLayout wl = ws_layout(p, sc);
   Status s = check_workspace(what, p.workspace, p.workspace_bytes, wl.total);
@@ -688,6 +694,69 @@ Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, con
                                                 kDV / Cfg::kVT),
                                        Cfg::kThreads, Cfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
+  return Status::Ok();
+}
+
+// Test builds only: the reverse chain as the library will run it, split where the forward's
+// plan splits (docs/backward.md "Build step 4, second half"): a states pass without fragments for
+// the chunk table, regions and maps (exact path), then the chain's pass 0 (pieces alone), the
+// reverse scan and pass 1 (fragments, d(initial state)). Unsplit plans: launch_reverse_alone.
+template <class T, int kMathWGs>
+Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
+                      void* grad_frags) {
+  using Cfg = RevCfg<kMathWGs>;
+  if (num_seqs(p) == 0) return Status::Ok();
+  DeviceInfo* dinfo = nullptr;
+  Status s = device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<T>(dinfo);
+  if (!s.ok()) return s;
+  SplitChoice sc = forward_choice(p, dinfo->sms);
+  sc.fused = true;
+  if (!sc.max_pieces) return launch_reverse_alone<T, kMathWGs>(p, d_o, dht, dh0, grad_frags);
+  const WsLayout wl = ws_layout(p, sc);
+  s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, wl.total);
+  if (!s.ok()) return s;
+  CUtensorMap tmq, tmk, tmv;
+  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmv, d_o, p.shape.num_v_heads, p.shape);
+  if (!s.ok()) return s;
+  GdnForwardParams fp = p;
+  fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
+  StatesPass sp;
+  s = launch_fused<T>(fp, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
+  if (!s.ok()) return s;
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)Cfg::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
+  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+  RecParams rp = rec_params(p, tmq, tmk, seq_desc(p), reinterpret_cast<int*>(ws + wl.table), ws + wl.regions);
+  rp.tmv = tmv;
+  rp.scale = static_cast<float>(p.scale);
+  rp.o = nullptr;
+  rp.h0 = static_cast<const float*>(dht.data);
+  rp.hT = static_cast<float*>(dh0.data);
+  for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
+  rp.h0_pool = rp.hT_pool = PoolIndex{};
+  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
+  rp.pieces = reinterpret_cast<int*>(ws + wl.pieces);
+  rp.plan = sc.plan;
+  rp.maps = reinterpret_cast<float*>(ws + wl.maps);
+  rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
+  rp.warm_max = 0;
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int N = static_cast<int>(num_seqs(p)), HV = static_cast<int>(p.shape.num_v_heads);
+  const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces), HV, kDV / Cfg::kVT);
+  rp.pass = 0;  // pieces 1 .. np - 1 alone, no fragments
+  rp.grad_frags = nullptr;
+  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");
+  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kBwdScanThreads, 0, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
+  rp.pass = 1;
+  rp.grad_frags = grad_frags;
+  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 1)");
   return Status::Ok();
 }
 
@@ -800,10 +869,10 @@ Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, c
   if (!s.ok()) return s;
   const bool bf = p.q.dtype == DType::kBFloat16;
   if (v_tile == 128)
-    return bf ? launch_reverse_alone<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0, grad_frags)
-              : launch_reverse_alone<cutlass::half_t, 2>(p, d_o, dht, dh0, grad_frags);
-  return bf ? launch_reverse_alone<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0, grad_frags)
-            : launch_reverse_alone<cutlass::half_t, 1>(p, d_o, dht, dh0, grad_frags);
+    return bf ? launch_reverse<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0, grad_frags)
+              : launch_reverse<cutlass::half_t, 2>(p, d_o, dht, dh0, grad_frags);
+  return bf ? launch_reverse<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0, grad_frags)
+            : launch_reverse<cutlass::half_t, 1>(p, d_o, dht, dh0, grad_frags);
 }
 #endif
 
