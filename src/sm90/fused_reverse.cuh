@@ -346,48 +346,6 @@ __device__ __forceinline__ PieceRole reverse_role(const RecParams& p, const Piec
   return r;
 }
 
-// The scan between the reverse chain's passes: X_s = M_{s+1}^T X_{s+1} + D_{s+1} for s = np - 3
-// down to 0, X_s the gradient leaving piece s ([K][V], the R columns of map slot s, where pass 0
-// left D_{s+1}; X_{np-2} is already there). One CTA per (sequence, value head, kScanCols state
-// columns), a thread per row of X; fp32 products in a fixed order (deterministic). A first
-// version on the CUDA cores (2 MFLOP a step), before a tensor-core one as the forward's scan.
-constexpr int kBwdScanThreads = kDK;
-__global__ void __launch_bounds__(kBwdScanThreads) gdn_bwd_scan(const __grid_constant__ RecParams p) {
-  __shared__ float sX[kDK][kScanCols];  // X_{s+1}'s slice of columns
-  constexpr int slices = kDV / kScanCols;
-  const int hv = static_cast<int>(blockIdx.x / slices), c0 = static_cast<int>(blockIdx.x % slices) * kScanCols;
-  const int rank = static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y);
-  if (rank >= p.N || p.chunk_off[p.N + 1]) return;
-  const int n = p.chunk_off[p.N + 2 + rank];
-  int64_t b, t0, slen;
-  seq_bounds(p.sd, n, b, t0, slen);
-  const PieceSplit sp = piece_split(static_cast<int>((slen + kC - 1) / kC), rec_plan(p));
-  if (sp.np < 3) return;
-  const int map0 = p.pieces[rank] - rank, d = static_cast<int>(threadIdx.x);
-  float x[kScanCols];
-  const float* xs = map_at(p, map0 + sp.np - 2, hv) + d * kMapCols + c0;
-  CUTE_UNROLL
-  for (int i = 0; i < kScanCols; ++i) x[i] = xs[i];
-  for (int s = sp.np - 3; s >= 0; --s) {
-    __syncthreads();  // every read of the previous step's slice is done
-    CUTE_UNROLL
-    for (int i = 0; i < kScanCols; ++i) sX[d][i] = x[i];
-    __syncthreads();
-    float* out = map_at(p, map0 + s, hv) + d * kMapCols + c0;  // D_{s+1} in, X_s out
-    const float* m = map_at(p, map0 + s + 1, hv) + kDV + d;  // column d of M_{s+1}: m[dd * kMapCols]
-    CUTE_UNROLL
-    for (int i = 0; i < kScanCols; ++i) x[i] = out[i];
-#pragma unroll 4
-    for (int dd = 0; dd < kDK; ++dd) {
-      const float md = m[static_cast<size_t>(dd) * kMapCols];
-      CUTE_UNROLL
-      for (int i = 0; i < kScanCols; ++i) x[i] = fmaf(md, sX[dd][i], x[i]);
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < kScanCols; ++i) out[i] = x[i];
-  }
-}
-
 // The reverse chain: RecParams as the fused forward's (tiles_log2 = 1 at V tile 64, 0 at
 // 128; pieces and maps as reverse_role says), with tmv d_o's tensor map, h0 / sh0 d(final state) (null: zero) and hT / shT
 // d(initial state), in the state layout vk.

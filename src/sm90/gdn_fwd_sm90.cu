@@ -69,6 +69,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
+int g_test_reverse_maps_ready = 0;  // test builds only: the split reverse chain's maps left by a states pass
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
 
@@ -721,11 +722,13 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
   if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
   if (s.ok()) s = make_tile_map(&tmv, d_o, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
-  GdnForwardParams fp = p;
-  fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
-  StatesPass sp;
-  s = launch_fused<T>(fp, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
-  if (!s.ok()) return s;
+  if (!g_test_reverse_maps_ready) {  // (timings: the states pass that the library runs anyway left them)
+    GdnForwardParams fp = p;
+    fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
+    StatesPass sp;
+    s = launch_fused<T>(fp, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
+    if (!s.ok()) return s;
+  }
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
@@ -751,7 +754,7 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
   rp.grad_frags = nullptr;
   gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");
-  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kBwdScanThreads, 0, stream>>>(rp);
+  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
   rp.pass = 1;
   rp.grad_frags = grad_frags;
@@ -833,6 +836,7 @@ void set_test_inverse_group(int group) { g_test_inv_group = group; }
 void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
+void set_test_reverse_maps_ready(int on) { g_test_reverse_maps_ready = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -281,7 +281,12 @@ struct ScanLane {
   const RecParams& p;
   const ScanCta& sc;
   int warp, g, t;
-  __device__ __forceinline__ float* map_of(int j) const { return map_at(p, sc.map0 + j, sc.hv); }  // [R_j | M_j]
+  bool transposed;  // the backward's chain (gdn_bwd_scan): slots walked last first, M transposed
+  // Step j's map slot, whose R columns it reads and overwrites: j, or np - 2 - j backward.
+  __device__ __forceinline__ int slot(int j) const { return transposed ? sc.np - 2 - j : j; }
+  __device__ __forceinline__ float* map_of(int j) const { return map_at(p, sc.map0 + slot(j), sc.hv); }  // [R | M]
+  // Step j's M: its own slot's, or backward the next piece's (the slot after its own).
+  __device__ __forceinline__ const float* m_of(int j) const { return map_at(p, sc.map0 + slot(j) + transposed, sc.hv); }
   __device__ __forceinline__ float* r_at(int j, int n, int q) const {  // R_j's element (rows of kMapCols)
     return map_of(j) + (16 * warp + 8 * n + 2 * t + (q & 1)) * kMapCols + sc.c0 + g + 8 * (q >> 1);
   }
@@ -329,21 +334,48 @@ __device__ __forceinline__ void scan_load_m(const float* map, int warp, int g, i
     CUTE_UNROLL
     for (int n = 0; n < 2; ++n) m[kp][n] = ld_nc_stream(map + (16 * warp + 8 * n + g) * kMapCols + kDV + 16 * kp + 4 * t);
 }
-__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) {
+__device__ __forceinline__ float ld_nc_stream1(const float* a) {
+  float r;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(r) : "l"(a));
+  return r;
+}
+// The backward's B fragments, of M_j^T: m[kp][n] = M_j[16 kp + 4 t .. + 3][16 w + 8 n + g], four
+// rows of one column (a warp's load covers 8 adjacent floats of 4 rows: whole 32-byte sectors).
+__device__ __forceinline__ void scan_load_mt(const float* map, int warp, int g, int t, float4 (&m)[kDK / 16][2]) {
+  CUTE_UNROLL
+  for (int kp = 0; kp < kDK / 16; ++kp)
+    CUTE_UNROLL
+    for (int n = 0; n < 2; ++n) {
+      const float* c = map + (16 * kp + 4 * t) * kMapCols + kDV + 16 * warp + 8 * n + g;
+      m[kp][n] = make_float4(ld_nc_stream1(c), ld_nc_stream1(c + kMapCols), ld_nc_stream1(c + 2 * kMapCols),
+                             ld_nc_stream1(c + 3 * kMapCols));
+    }
+}
+// The chain of either scan. Forward (gdn_fwd_scan): S_{j+1} = M_j S_j + R_j over slot j. Backward
+// (gdn_bwd_scan, docs/backward.md "Build step 4, second half"): X_s = M_{s+1}^T X_{s+1} + D_{s+1}
+// for s = np - 3 down to 0, X_s the state gradient leaving piece s, over slot s (where the reverse
+// chain's pass 0 left D_{s+1}; X_{np-2} is already in slot np - 2): the same chain with step j's
+// slot np - 2 - j, its M the next slot's, transposed (the products compute X_s^T = X_{s+1}^T M).
+template <bool kTransposed>
+__device__ __forceinline__ void scan_chain(const RecParams& p) {
   extern __shared__ __align__(16) float scan_smem[];
   float* sF = scan_smem;  // [2][kScanFragFloats]: S_j in buffer j & 1
   __shared__ int s_warm;
   ScanCta sc;
   if (!scan_cta(p, &s_warm, sc)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const ScanLane ln{p, sc, warp, lane / 4, lane % 4};
+  const ScanLane ln{p, sc, warp, lane / 4, lane % 4, kTransposed};
+  auto load_m = [&](const float* map, float4 (&m)[kDK / 16][2]) {
+    if (kTransposed) scan_load_mt(map, warp, ln.g, ln.t, m);
+    else scan_load_m(map, warp, ln.g, ln.t, m);
+  };
   const int last = sc.np - 2;
   // Test builds' timing variants (RecParams::skip; 0 in the library, results then wrong): 16
   // leaves out M's loads, 32 the products.
   const bool loads = !(p.skip & 16), products = !(p.skip & 32);
   float4 m_odd[kDK / 16][2], m_even[kDK / 16][2];  // M_j of the odd and the even steps
   float r_odd[2][4], r_even[2][4];
-  if (loads) scan_load_m(ln.map_of(1), warp, ln.g, ln.t, m_odd);
+  if (loads) load_m(ln.m_of(1), m_odd);
   {
     float s1[2][4];
     ln.load_r(0, s1);
@@ -353,7 +385,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
     for (int n = 0; n < 2; ++n) ln.put_s(sF + kScanFragFloats, n, s1[n]);
   }
   auto step = [&](int j, float (&r)[2][4], const float4 (&mj)[kDK / 16][2], float4 (&m_next)[kDK / 16][2]) {
-    if (loads && j + 1 <= last) scan_load_m(ln.map_of(j + 1), warp, ln.g, ln.t, m_next);  // a step ahead
+    if (loads && j + 1 <= last) load_m(ln.m_of(j + 1), m_next);  // a step ahead
     __syncthreads();  // S_j is in its buffer; every read of S_{j-1}'s buffer is done
     float acc[2][4] = {};
     if (products) scan_products(mj, sF + (j & 1) * kScanFragFloats, ln.g, ln.t, acc);
@@ -365,6 +397,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_con
     if (j + 1 <= last) step(j + 1, r_even, m_even, m_odd);
   }
 }
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_fwd_scan(const __grid_constant__ RecParams p) { scan_chain<false>(p); }
+__global__ void __launch_bounds__(kScanThreads, 1) gdn_bwd_scan(const __grid_constant__ RecParams p) { scan_chain<true>(p); }
 }  // namespace
 }  // namespace sm90
 }  // namespace qla
