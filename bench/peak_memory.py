@@ -37,8 +37,10 @@ BWD_ROWS = [("35B/9B/4B TP1 16/32 1x32768", (32768,), 16, 32), ("35B/9B/4B TP1 1
 
 def backward_rows():
     """Forward + backward through autograd: the forward saves only its inputs; the backward's
-    workspace holds the recomputed per-chunk data (docs/backward.md section 3)."""
-    for label, lengths, h, hv in BWD_ROWS:
+    workspace holds the recomputed per-chunk data (docs/backward.md section 3). Each row with the
+    backward the dispatch picks, then with the fused backward forced (split=True)."""
+    for (label, lengths, h, hv), opts in [(r, o) for r in BWD_ROWS for o in ({}, {"split": True})]:
+        label += " (fused backward, split=True)" if opts else " (dispatched)"
         inp = grid.make_inputs(lengths, h, hv, seed=0)
         leaves = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0)]
         do = torch.randn_like(inp.v)
@@ -47,7 +49,7 @@ def backward_rows():
         base = torch.cuda.memory_allocated()  # inputs, their clones, do, dht
         torch.cuda.reset_peak_memory_stats()
         o, ht = qla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=inp.cu_seqlens)
+                                           cu_seqlens=inp.cu_seqlens, **opts)
         fwd_peak = torch.cuda.max_memory_allocated() - base
         torch.autograd.backward([o, ht], [do, dht])
         torch.cuda.synchronize()

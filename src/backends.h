@@ -23,6 +23,10 @@ Status forward(const GdnForwardParams& p);
 // The backward: checks its own limits (as check_supported, plus do/dq/dk/dv), then the kernels.
 Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
 Status backward(const GdnBackwardParams& p);
+// The fused backward (gdn_fwd_sm90.cu, beside the forward kernels it runs), which backward()
+// dispatches to: its own forward-side checks, then its workspace or its launches.
+Status fused_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes);
+Status fused_backward(const GdnBackwardParams& p);
 // The one-time work of a first call on the current device, for both dtypes: kernels loaded,
 // shared-memory limits set. Optional (forward/backward do what is still missing).
 Status prepare_forward();

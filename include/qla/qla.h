@@ -204,6 +204,13 @@ struct GdnBackwardParams {
   double scale = 0.0;
   StateLayout state_layout = StateLayout::kKV;
 
+  // Sequence splitting (CUDA backward), as the forward's fields: the fused backward runs the
+  // forward's pieces (exact transfer maps, transposed for the state gradient). It is taken for
+  // calls of few (sequence, value head) pairs, and always with split = kOn (the chunked
+  // backward, which does not split, elsewhere for now). The CPU backend ignores them.
+  SplitMode split = SplitMode::kAuto;
+  int split_chunks = 0;
+
   Device device = Device::kCpu;
   void* stream = nullptr;
   void* workspace = nullptr;

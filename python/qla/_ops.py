@@ -63,7 +63,7 @@ _WORKSPACE_BYTES: dict = {}
 def _run_cuda(run, query, key, shape, descs, scale, layout, dev, *extra):
     """One CUDA call of the core (forward or backward): its workspace (size cached per key;
     key None: asked every call), then the launch on the current stream of the tensors' device
-    (extra: the forward's trailing options, which also choose its path and so its workspace).
+    (extra: the call's trailing options, which also choose its path and so its workspace).
     The core works on the current CUDA device, so a call on tensors of another device makes
     theirs current for its duration."""
     if dev.index != torch.cuda.current_device():
@@ -254,7 +254,11 @@ def gdn_bwd(
     do: torch.Tensor,
     dht: Optional[torch.Tensor],
     state_v_first: bool,
+    split_mode: int = SPLIT_AUTO,
+    split_chunks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward (split_mode, split_chunks: the CUDA backward's splitting, as the forward's;
+    SPLIT_ON also makes it take the fused backward, which splits)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _num_seqs(q, cu_seqlens)
@@ -271,15 +275,17 @@ def gdn_bwd(
     layout = 1 if state_v_first else 0
     dev = q.device
     if dev.type != "cuda":
-        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0)
+        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, split_mode, split_chunks)
         return dq, dk, dv, dg, dbeta, dh0
-    _run_cuda(_C.backward, _C.backward_workspace_size, ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index), shape,
-              descs, scale, layout, dev)
+    _run_cuda(_C.backward, _C.backward_workspace_size,
+              ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index, split_mode, split_chunks), shape, descs, scale,
+              layout, dev, split_mode, split_chunks)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @gdn_bwd.register_fake
-def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first):
+def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode=SPLIT_AUTO,
+                  split_chunks=0):
     n = _num_seqs(q, cu_seqlens)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -295,6 +301,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first = inputs[:10]
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
+    ctx.split_mode, ctx.split_chunks = inputs[11], inputs[12]  # the backward splits as asked of the forward
     ctx.state_v_first = state_v_first
     ctx.output_final_state = output_final_state
 
@@ -305,7 +312,7 @@ def _backward(ctx, do, dht):
         dht = None
     dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
-        None if dht is None else dht.contiguous(), ctx.state_v_first,
+        None if dht is None else dht.contiguous(), ctx.state_v_first, ctx.split_mode, ctx.split_chunks,
     )
     # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,

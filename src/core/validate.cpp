@@ -178,6 +178,13 @@ Status check_common(const P& p, bool states_16bit) {
   return check_cu_seqlens(p.cu_seqlens, p.num_seqs, p.cu_seqlens_host, p.shape, p.device, nullptr);
 }
 
+Status check_split(SplitMode split, int split_chunks) {
+  const int sm = static_cast<int>(split);
+  if (sm < 0 || sm > 2) return invalid("split: expected SplitMode kAuto, kOff or kOn, got " + std::to_string(sm));
+  if (split_chunks < 0) return invalid("split_chunks: expected >= 0 (0: automatic), got " + std::to_string(split_chunks));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status validate_forward(const GdnForwardParams& p) {
@@ -186,13 +193,7 @@ Status validate_forward(const GdnForwardParams& p) {
   QLA_TRY(check_ptr("o", p.o.data, has_tokens));
   QLA_TRY(check_dtype("o", p.o.dtype, p.q.dtype));
   QLA_TRY(check_state("final_state", p.final_state.data, p.final_state.dtype, p.q.dtype, true));
-  const int sm = static_cast<int>(p.split);
-  if (sm < 0 || sm > 2)
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "split: expected SplitMode kAuto, kOff or kOn, got " + std::to_string(sm));
-  if (p.split_chunks < 0)
-    return Status::Error(StatusCode::kInvalidArgument,
-                         "split_chunks: expected >= 0 (0: automatic), got " + std::to_string(p.split_chunks));
+  QLA_TRY(check_split(p.split, p.split_chunks));
   const int64_t n = p.cu_seqlens.data ? p.num_seqs : p.shape.batch;
   std::vector<int64_t> reads, writes;
   QLA_TRY(check_pool_indices("initial_state_indices", p.initial_state_indices, "initial_state", p.initial_state.data,
@@ -265,6 +266,7 @@ Status validate_backward(const GdnBackwardParams& p) {
   QLA_TRY(check_float("dg", p.dg.dtype));
   QLA_TRY(check_float("dbeta", p.dbeta.dtype));
   QLA_TRY(check_state("d_initial_state", p.d_initial_state.data, p.d_initial_state.dtype, p.q.dtype));
+  QLA_TRY(check_split(p.split, p.split_chunks));
   return Status::Ok();
 }
 

@@ -232,6 +232,29 @@ __device__ __forceinline__ void scale_rows_fp16(const uint8_t* src, uint8_t* dst
   }
 }
 
+// Malformed device cu_seqlens: instead of a silent wrong answer every element of dq, dk, dv,
+// dg and dbeta becomes NaN (varlen, so one batch row of sd.T tokens; grid-stride over the grid;
+// the reverse chain does d(initial state)).
+template <class T>
+__device__ void fill_nan_grads(const ChunkGradParams& p) {
+  const int64_t nthreads = grid_blocks() * blockDim.x, first = flat_block() * blockDim.x + threadIdx.x;
+  const float nan = __int_as_float(0x7fc00000);
+  for (int64_t i = first; i < p.sd.T * p.H * kDK; i += nthreads) {
+    const int64_t d = i % kDK, h = (i / kDK) % p.H, t = i / (kDK * p.H);
+    static_cast<T*>(p.dq)[t * p.sdq[1] + h * p.sdq[2] + d] = T(nan);
+    static_cast<T*>(p.dk)[t * p.sdk[1] + h * p.sdk[2] + d] = T(nan);
+  }
+  for (int64_t i = first; i < p.sd.T * p.HV * kDV; i += nthreads) {
+    const int64_t v = i % kDV, h = (i / kDV) % p.HV, t = i / (kDV * p.HV);
+    static_cast<T*>(p.dv)[t * p.sdv[1] + h * p.sdv[2] + v] = T(nan);
+  }
+  for (int64_t i = first; i < p.sd.T * p.HV; i += nthreads) {
+    const int64_t h = i % p.HV, t = i / p.HV;
+    store_f(p.dg, p.dg_dt, t * p.sdg[1] + h, nan);
+    store_f(p.dbeta, p.db_dt, t * p.sdb[1] + h, nan);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __grid_constant__ ChunkGradParams p) {
   using H = cutlass::half_t;
@@ -252,7 +275,11 @@ __global__ void __launch_bounds__(kGradThreads, 1) gdn_bwd_chunk_grads(const __g
   const int tid = threadIdx.x, mw = tid >> 7, wt = tid & 127, warp = tid >> 5, lane = tid & 31;
   const int ci = blockIdx.x, hq = blockIdx.y;
   wait_for_previous_kernels();  // the regions and the chunk operands
-  if (p.chunk_off[p.N + 1] || ci >= p.chunk_off[p.N]) return;
+  if (p.chunk_off[p.N + 1]) {  // malformed device cu_seqlens (flagged by gdn_chunk_table)
+    fill_nan_grads<T>(p);
+    return;
+  }
+  if (ci >= p.chunk_off[p.N]) return;
   int64_t b, t0;
   int len;
   region_tokens(p, ci, b, t0, len);  // the chunk's batch row, first token and length

@@ -334,15 +334,16 @@ __device__ __forceinline__ void aux_gate_scores(const float* sGam, const int8_t*
     const int r = get<0>(cc(i)), j = get<1>(cc(i));
     const float gr = sGam[r];
     const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-    const float sr = r < len ? 1.f : 0.f;
     float x0 = fminf(gr - gc.x, 0.f) * kLog2e, x1 = fminf(gr - gc.y, 0.f) * kLog2e;
     if constexpr (kExp) {
       const int er = qexp[r];
       x0 += static_cast<float>(er + kexp[j]);
       x1 += static_cast<float>(er + kexp[j + 1]);
     }
-    rA16(i) = H(r >= j ? sr * exp2_approx(x0) * acc(i) : 0.f);
-    rA16(i + 1) = H(r >= j + 1 ? sr * exp2_approx(x1) * acc(i + 1) : 0.f);
+    // Selected, not multiplied: rows past the end may come from raw tiles (the reverse chain's
+    // Q K^T), where the next sequence's tokens may be Inf or NaN.
+    rA16(i) = H(r < len && r >= j ? exp2_approx(x0) * acc(i) : 0.f);
+    rA16(i + 1) = H(r < len && r >= j + 1 ? exp2_approx(x1) * acc(i + 1) : 0.f);
   }
 }
 

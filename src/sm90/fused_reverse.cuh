@@ -140,12 +140,18 @@ struct RevAux {
     CUTE_UNROLL
     for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * (r >> 2) + (r & 3)));
   }
+  // Rows past the sequence's end hold the next sequence's tokens (any value, Inf or NaN): the
+  // in-place and copied operands take zeros there (a select: zero times Inf would be NaN).
+  __device__ __forceinline__ uint4 scaled_row(uint4 u, float sc, int row) const {
+    return row < len ? scaled(u, sc) : make_uint4(0u, 0u, 0u, 0u);
+  }
   __device__ __forceinline__ void store_kw(const uint4 (&u)[8]) const {
     float kw[4];
     CUTE_UNROLL
     for (int r = 0; r < 4; ++r) kw[r] = eg()[r0 + 16 * r];
     CUTE_UNROLL
-    for (int r = 0; r < 8; ++r) sts128(w + 8192u * (r >> 2) + 16u * 128u * (r & 3), scaled(u[r], kw[r & 3]));
+    for (int r = 0; r < 8; ++r)
+      sts128(w + 8192u * (r >> 2) + 16u * 128u * (r & 3), scaled_row(u[r], kw[r & 3], r0 + 16 * (r & 3)));
   }
   // W'acc = Tu' Kw (j, d), issued and committed.
   __device__ __forceinline__ void issue_w(AccW& acc) const {
@@ -178,11 +184,11 @@ struct RevAux {
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + r));
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + r), scaled(u[r], kd[r]));
+      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + r), scaled_row(u[r], kd[r], r0 + 16 * r));
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + 4 + r));
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled(u[r], qg[r]));
+      for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled_row(u[r], qg[r], r0 + 16 * r));
     }
   }
   __device__ __forceinline__ void store_a2(const AuxA16& rA16) const {
@@ -294,10 +300,14 @@ __device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& 
   float m[2];
   row_abs_max(accS, m);
   float mv[2] = {0.f, 0.f};
+  // D = dO^T diag(tf): tf is zero past the sequence's end, where dO holds the next sequence's
+  // tokens (any value): selected, not multiplied (zero times Inf would be NaN).
+  float2 d[16];
   CUTE_UNROLL
   for (int k = 0; k < 16; ++k) {  // pair k: elements 2 k, 2 k + 1 (row half k & 1), tokens of tf[k / 2]
-    const float2 a = unpack2<T>(vp[k]);
-    mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(a.x * tf[k >> 1].x), fabsf(a.y * tf[k >> 1].y)));
+    const float2 a = unpack2<T>(vp[k]), t = tf[k >> 1];
+    d[k] = make_float2(t.x != 0.f ? a.x * t.x : 0.f, t.y != 0.f ? a.y * t.y : 0.f);
+    mv[k & 1] = fmaxf(mv[k & 1], fmaxf(fabsf(d[k].x), fabsf(d[k].y)));
   }
   CUTE_UNROLL
   for (int i = 0; i < size(accS); ++i) rS16(i) = H(accS(i));  // (the units rarely change: see chunk_units)
@@ -310,10 +320,10 @@ __device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& 
   }
   CUTE_UNROLL
   for (int k = 0; k < 16; ++k) {
-    const float2 a = unpack2<T>(vp[k]);
+    const float2 a = unpack2<T>(vp[k]), t = tf[k >> 1];
     const float s = sc[k & 1];
-    rD16(2 * k) = H(a.x * (tf[k >> 1].x * s));
-    rD16(2 * k + 1) = H(a.y * (tf[k >> 1].y * s));
+    rD16(2 * k) = H(t.x != 0.f ? a.x * (t.x * s) : 0.f);
+    rD16(2 * k + 1) = H(t.y != 0.f ? a.y * (t.y * s) : 0.f);
   }
 }
 

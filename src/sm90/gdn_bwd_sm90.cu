@@ -1,5 +1,7 @@
-// sm90 (Hopper, sm_90a) backward of the Gated DeltaNet chunked prefill. Six launches on
-// p.stream, no host synchronisation (graph-capturable); docs/backward.md has the algebra.
+// sm90 (Hopper, sm_90a) backward of the Gated DeltaNet chunked prefill: the dispatch between
+// the fused backward (gdn_fwd_sm90.cu; fused_backward_chosen below) and the chunked one here.
+// The chunked backward: six launches on p.stream, no host synchronisation (graph-capturable);
+// docs/backward.md has the algebra.
 //   1. gdn_chunk_table:  chunk offsets and the cu_seqlens check (as in the forward).
 //   2. gdn_prep<T>:      the forward's prep, also storing Tm = (I+L)^-1 (hi/lo images).
 //   3. gdn_recur_ws:     the forward's V-tile-32 recurrence in its kStates role, storing the state
@@ -264,6 +266,17 @@ Status bwd_launch(const GdnBackwardParams& p) {
   return Status::Ok();
 }
 
+// Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu,
+// docs/backward.md section 10) where it is measured faster than the chunked one below, calls of
+// at most kFusedBwdMaxPairs (sequence, value head) pairs (bwd-24 in docs/design.md: 2/4 and 4/8
+// at 1x8192 and 1x32768, 1.2-2x on the H100; at 16 pairs it is ahead at 1x32768, behind at
+// 1x8192), and whenever the caller asks for pieces (split = kOn: only it splits). The chunked
+// backward elsewhere, until the fused one is faster everywhere.
+constexpr int64_t kFusedBwdMaxPairs = 8;
+bool fused_backward_chosen(const GdnBackwardParams& p) {
+  return p.split == SplitMode::kOn || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
+}
+
 }  // namespace
 
 Status prepare_backward() {
@@ -279,6 +292,7 @@ Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
   *bytes = 0;
   Status s = bwd_check_supported(p);
   if (!s.ok()) return s;
+  if (fused_backward_chosen(p)) return fused_backward_workspace_size(p, bytes);
   *bytes = bwd_ws_layout(p).total;
   return Status::Ok();
 }
@@ -286,6 +300,7 @@ Status backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
 Status backward(const GdnBackwardParams& p) {
   Status s = bwd_check_supported(p);
   if (!s.ok()) return s;
+  if (fused_backward_chosen(p)) return fused_backward(p);
   s = check_workspace("sm90 backward", p.workspace, p.workspace_bytes, bwd_ws_layout(p).total);
   if (!s.ok()) return s;
   if (p.q.dtype == DType::kBFloat16) return bwd_launch<cutlass::bfloat16_t>(p);

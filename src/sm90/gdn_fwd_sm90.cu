@@ -48,10 +48,8 @@
 #include "split.cuh"
 #include "split_plan.cuh"
 #include "host_util.cuh"
-#ifdef QLA_SM90_TEST_HOOKS
-#include "fused_reverse.cuh"  // the fused backward's reverse chain (build step 2), test builds until step 3
-#include "chunk_grads.cuh"    // the fused backward's gradients kernel (build step 3), test builds until complete
-#endif
+#include "fused_reverse.cuh"  // the fused backward's reverse chain
+#include "chunk_grads.cuh"    // the fused backward's gradients kernel
 
 namespace qla {
 namespace sm90 {
@@ -273,9 +271,16 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
+  // The fused backward's (its states pass runs the kernels above).
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)RevCfg<1>::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
+               "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_bwd_scan), "cudaFuncGetAttributes(gdn_bwd_scan)");
   __atomic_store_n(&dinfo->smem_ready[dt], true, __ATOMIC_RELEASE);
   return Status::Ok();
 }
@@ -564,6 +569,181 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
   return Status::Ok();
 }
 
+// ---------------------------------------------------------------------------------------------
+// The fused backward (docs/backward.md section 10), here beside the forward's kernels it runs.
+// Three steps on p.stream, no host synchronisation (graph-capturable):
+//   1. the states pass: the forward's launch with a StatesPass (chunk table, the inverse kernel
+//      with the T' images, the lean kernel storing each chunk's entering state S' as fragments),
+//      split as the forward splits, on its exact path (every piece's transfer map);
+//   2. the reverse chain (fused_reverse.cuh): each (sequence, value head, V tile of 64) from
+//      d(final state) back to d(initial state), storing dSn' and dU' as fragments; split: pass 0
+//      (pieces 1 .. np - 1 alone), gdn_bwd_scan (the gradient crossing the pieces by the
+//      transposed maps), pass 1 (every piece, with the fragments);
+//   3. the gradients kernel (chunk_grads.cuh): per (chunk, q/k head), dq, dk, dv, dg, dbeta.
+// Workspace: the forward's layout for its plan, then T' (8 KiB) and the fragments
+// (kFragRegionBytes) per (chunk, value head).
+// ---------------------------------------------------------------------------------------------
+
+// The states pass's forward params (no o, no final state).
+GdnForwardParams states_params(const GdnBackwardParams& b) {
+  GdnForwardParams f;
+  f.shape = b.shape;
+  f.q = b.q;
+  f.k = b.k;
+  f.v = b.v;
+  f.g = b.g;
+  f.beta = b.beta;
+  f.initial_state = b.initial_state;
+  f.cu_seqlens = b.cu_seqlens;
+  f.num_seqs = b.num_seqs;
+  f.cu_seqlens_host = b.cu_seqlens_host;
+  f.o.dtype = b.q.dtype;
+  f.scale = b.scale;
+  f.state_layout = b.state_layout;
+  f.split = b.split;
+  f.split_chunks = b.split_chunks;
+  f.device = b.device;
+  f.stream = b.stream;
+  f.workspace = b.workspace;
+  f.workspace_bytes = b.workspace_bytes;
+  return f;
+}
+
+struct BwdLayout {
+  SplitChoice sc;  // the forward's plan, on the fused kernels
+  WsLayout fwd;    // its workspace, at the start
+  size_t tm = 0, frags = 0, total = 0;
+};
+BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
+  auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
+  BwdLayout l;
+  l.sc = forward_choice(f, sms);
+  l.sc.fused = true;
+  l.fwd = ws_layout(f, l.sc);
+  const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
+  l.tm = up(l.fwd.total);
+  l.frags = l.tm + up(nreg * kImgTokTok * 2);
+  l.total = l.frags + nreg * kFragRegionBytes;
+  return l;
+}
+
+// Step 2 at V tile 64 (kMathWGs 1; test builds also 128), after the states pass: the chunk
+// table, regions and (split) maps in wl's places. dht (null: zero) in, dh0 (null: not written)
+// out, in f.state_layout; frags: where the gradients kernel reads dSn' and dU'.
+template <class T, int kMathWGs>
+Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
+                            const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
+                            void* frags) {
+  using Cfg = RevCfg<kMathWGs>;
+  uint8_t* ws = static_cast<uint8_t*>(f.workspace);
+  RecParams rp = rec_params(f, tmq, tmk, seq_desc(f), reinterpret_cast<int*>(ws + wl.table), ws + wl.regions);
+  rp.tmv = tmdo;
+  rp.scale = static_cast<float>(f.scale);
+  rp.o = nullptr;
+  rp.h0 = static_cast<const float*>(dht.data);
+  rp.hT = static_cast<float*>(dh0.data);
+  for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
+  rp.h0_pool = rp.hT_pool = PoolIndex{};
+  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
+  rp.pass = 0;
+  cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
+  const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
+  const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces ? sc.max_pieces : N), HV, kDV / Cfg::kVT);
+  if (!sc.max_pieces) {  // whole sequences, one pass
+    rp.grad_frags = frags;
+    gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
+    return Status::Ok();
+  }
+  rp.pieces = reinterpret_cast<int*>(ws + wl.pieces);
+  rp.plan = sc.plan;
+  rp.maps = reinterpret_cast<float*>(ws + wl.maps);
+  rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
+  rp.warm_max = 0;  // (the states pass's exact path)
+  rp.grad_frags = nullptr;  // pass 0: pieces 1 .. np - 1 alone
+  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");
+  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
+  rp.pass = 1;
+  rp.grad_frags = frags;
+  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 1)");
+  return Status::Ok();
+}
+
+// Step 3: the gradients kernel over the chunk table and regions in wl's places, the T' images
+// tm and the fragments frags; dq, dk (summed over each value-head group), dv, dg, dbeta out.
+template <class T>
+Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const TensorRef& d_o, const void* frags,
+                          const void* tm, const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv,
+                          const MutTensorRef& dg, const MutTensorRef& dbeta) {
+  uint8_t* ws = static_cast<uint8_t*>(f.workspace);
+  ChunkGradParams gp{};
+  gp.sd = seq_desc(f);
+  gp.chunk_off = reinterpret_cast<int*>(ws + wl.table);
+  gp.regions = ws + wl.regions;
+  gp.frags = frags;
+  gp.tm = tm;
+  gp.N = static_cast<int>(num_seqs(f));
+  gp.H = static_cast<int>(f.shape.num_qk_heads);
+  gp.HV = static_cast<int>(f.shape.num_v_heads);
+  Status s = make_tile_map(&gp.tmq, f.q, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmk, f.k, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmv, f.v, f.shape.num_v_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&gp.tmdo, d_o, f.shape.num_v_heads, f.shape);
+  if (!s.ok()) return s;
+  gp.beta = f.beta.data;
+  gp.b_dt = static_cast<int>(f.beta.dtype);
+  gp.scale = static_cast<float>(f.scale);
+  gp.dq = dq.data;
+  gp.dk = dk.data;
+  gp.dv = dv.data;
+  gp.dg = dg.data;
+  gp.dbeta = dbeta.data;
+  gp.dg_dt = static_cast<int>(dg.dtype);
+  gp.db_dt = static_cast<int>(dbeta.dtype);
+  for (int i = 0; i < 3; ++i) {
+    gp.sdq[i] = dq.stride[i];
+    gp.sdk[i] = dk.stride[i];
+    gp.sdv[i] = dv.stride[i];
+  }
+  for (int i = 0; i < 2; ++i) {
+    gp.sb[i] = f.beta.stride[i];
+    gp.sdg[i] = dg.stride[i];
+    gp.sdb[i] = dbeta.stride[i];
+  }
+  // At least one CTA: on malformed cu_seqlens the kernel fills the gradients with NaN.
+  const unsigned chunks = static_cast<unsigned>(std::max<int64_t>(1, max_chunks(f)));
+  gdn_bwd_chunk_grads<T><<<dim3(chunks, gp.H), kGradThreads, kGradSmemBytes, static_cast<cudaStream_t>(f.stream)>>>(gp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_chunk_grads");
+  return Status::Ok();
+}
+
+template <class T>
+Status launch_backward(const GdnBackwardParams& b) {
+  const GdnForwardParams f = states_params(b);
+  if (num_seqs(f) == 0) return Status::Ok();
+  DeviceInfo* dinfo = nullptr;
+  Status s = device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<T>(dinfo);
+  if (!s.ok()) return s;
+  const BwdLayout bl = bwd_layout(f, dinfo->sms);
+  CUtensorMap tmq, tmk, tmdo;
+  s = make_tile_map(&tmq, f.q, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&tmk, f.k, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&tmdo, b.d_o, f.shape.num_v_heads, f.shape);
+  if (!s.ok()) return s;
+  uint8_t* ws = static_cast<uint8_t*>(f.workspace);
+  StatesPass sp;
+  sp.frags = ws + bl.frags;
+  sp.tm = ws + bl.tm;
+  s = launch_fused<T>(f, bl.sc, bl.fwd, tmq, tmk, seq_desc(f), dinfo->sms, &sp);
+  if (s.ok()) s = launch_reverse_chain<T, 1>(f, bl.sc, bl.fwd, tmq, tmk, tmdo, b.d_final_state, b.d_initial_state, sp.frags);
+  if (s.ok()) s = launch_chunk_grads<T>(f, bl.fwd, b.d_o, sp.frags, sp.tm, b.dq, b.dk, b.dv, b.dg, b.dbeta);
+  return s;
+}
+
 #ifdef QLA_SM90_TEST_HOOKS
 // Test builds only: the fused forward's inverse kernel (docs/fused.md v2, step 1) alone, into
 // `regions` (max_chunks x HV x kInvRegionBytes), with the chunk table in p.workspace.
@@ -603,46 +783,6 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
   return Status::Ok();
 }
 
-// Test builds: where the backward's test passes find the chunk table and the regions in
-// p.workspace: the fused forward's layout for the forward's plan (split or not), which the
-// states pass and the split reverse chain use too.
-Status test_table_regions(const GdnForwardParams& p, const char* what, int*& table, void*& regions) {
-  DeviceInfo* dinfo = nullptr;
-  Status ds = device_info(&dinfo);
-  if (!ds.ok()) return ds;
-  SplitChoice sc = forward_choice(p, dinfo->sms);  // (the states pass's and the split reverse's layout)
-  sc.fused = true;
-  const WsLayout wl = ws_layout(p, sc);
-  Status s = check_workspace(what, p.workspace, p.workspace_bytes, wl.total);
-  if (!s.ok()) return s;
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  table = reinterpret_cast<int*>(ws + wl.table);
-  regions = ws + wl.regions;
-  return Status::Ok();
-}
-
-// Test builds: the chunk table and the inverse kernel into p.workspace, then the arguments of a
-// whole-sequence pass over them, v_map's tensor in V's slot.
-template <class T>
-Status test_pass_params(const GdnForwardParams& p, const TensorRef& v_map, RecParams& rp) {
-  int* table = nullptr;
-  void* regions = nullptr;
-  Status s = test_table_regions(p, "sm90 backward pass (test)", table, regions);
-  if (!s.ok()) return s;
-  s = launch_inverse_alone<T>(p, regions);  // the chunk table (at the workspace's start) and the regions
-  if (!s.ok()) return s;
-  CUtensorMap tmq, tmk, tmv;
-  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmv, v_map, p.shape.num_v_heads, p.shape);
-  if (!s.ok()) return s;
-  rp = rec_params(p, tmq, tmk, seq_desc(p), table, regions);
-  rp.tmv = tmv;
-  rp.scale = static_cast<float>(p.scale);
-  rp.pass = 0;
-  return Status::Ok();
-}
-
 // Test builds only: the backward's states pass (StatesPass) as the library will run it: the
 // forward's plan (split where the forward splits; the fused kernels where the forward would take
 // the two-pass one), its workspace layout in p.workspace.
@@ -653,10 +793,8 @@ Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   Status s = device_info(&dinfo);
   if (s.ok()) s = prepare_kernels<T>(dinfo);
   if (!s.ok()) return s;
-  SplitChoice sc = forward_choice(p, dinfo->sms);
-  sc.fused = true;
-  const WsLayout wl = ws_layout(p, sc);
-  s = check_workspace("sm90 states pass (test)", p.workspace, p.workspace_bytes, wl.total);
+  const BwdLayout bl = bwd_layout(p, dinfo->sms);
+  s = check_workspace("sm90 states pass (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
   if (!s.ok()) return s;
   CUtensorMap tmq, tmk;
   s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
@@ -665,43 +803,13 @@ Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   StatesPass sp;
   sp.frags = grad_frags;
   sp.tm = tm;
-  return launch_fused<T>(p, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
+  return launch_fused<T>(p, bl.sc, bl.fwd, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
 }
 
-// Test builds only: the fused backward's reverse chain (fused_reverse.cuh, docs/backward.md
-// section 10, build step 2): the chunk table and the inverse kernel into p.workspace, then
-// gdn_bwd_fused_reverse on (sequence, value head, V tile of 64 or 128): d_o and d(final state)
-// dht (optional) in, d(initial state) dh0 out, both in p.state_layout;
-// each chunk's fragments for the gradients into grad_frags (kFragRegionBytes per region) unless null.
-template <class T, int kMathWGs>
-Status launch_reverse_alone(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                            void* grad_frags) {
-  using Cfg = RevCfg<kMathWGs>;
-  if (num_seqs(p) == 0) return Status::Ok();
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)Cfg::kSmem),
-               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  RecParams rp;
-  Status s = test_pass_params<T>(p, d_o, rp);
-  if (!s.ok()) return s;
-  rp.o = nullptr;
-  rp.h0 = static_cast<const float*>(dht.data);
-  rp.hT = static_cast<float*>(dh0.data);
-  for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
-  rp.h0_pool = rp.hT_pool = PoolIndex{};
-  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
-  rp.grad_frags = grad_frags;
-  gdn_bwd_fused_reverse<T, kMathWGs><<<seq_grid(static_cast<int>(num_seqs(p)), static_cast<int>(p.shape.num_v_heads),
-                                                kDV / Cfg::kVT),
-                                       Cfg::kThreads, Cfg::kSmem, static_cast<cudaStream_t>(p.stream)>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
-  return Status::Ok();
-}
-
-// Test builds only: the reverse chain as the library will run it, split where the forward's
-// plan splits (docs/backward.md "Build step 4, second half"): a states pass without fragments for
-// the chunk table, regions and maps (exact path), then the chain's pass 0 (pieces alone), the
-// reverse scan and pass 1 (fragments, d(initial state)). Unsplit plans: launch_reverse_alone.
+// Test builds only: the reverse chain as the library runs it (launch_reverse_chain, V tile 64
+// or 128), after the chunk table and regions (and, split, the maps) of a states pass in
+// p.workspace: run here first (a states pass without fragments; unsplit, the table and the
+// inverse kernel) unless g_test_reverse_maps_ready says an earlier call left them.
 template <class T, int kMathWGs>
 Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
                       void* grad_frags) {
@@ -711,109 +819,43 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
   Status s = device_info(&dinfo);
   if (s.ok()) s = prepare_kernels<T>(dinfo);
   if (!s.ok()) return s;
-  SplitChoice sc = forward_choice(p, dinfo->sms);
-  sc.fused = true;
-  if (!sc.max_pieces) return launch_reverse_alone<T, kMathWGs>(p, d_o, dht, dh0, grad_frags);
-  const WsLayout wl = ws_layout(p, sc);
-  s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, wl.total);
+  const BwdLayout bl = bwd_layout(p, dinfo->sms);
+  s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
   if (!s.ok()) return s;
-  CUtensorMap tmq, tmk, tmv;
+  CUtensorMap tmq, tmk, tmdo;
   s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
   if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmv, d_o, p.shape.num_v_heads, p.shape);
+  if (s.ok()) s = make_tile_map(&tmdo, d_o, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
-  if (!g_test_reverse_maps_ready) {  // (timings: the states pass that the library runs anyway left them)
+  if (!g_test_reverse_maps_ready) {
     GdnForwardParams fp = p;
     fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
     StatesPass sp;
-    s = launch_fused<T>(fp, sc, wl, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
+    s = bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, tmq, tmk, seq_desc(p), dinfo->sms, &sp)
+                         : launch_inverse_alone<T>(p, static_cast<uint8_t*>(p.workspace) + bl.fwd.regions);
     if (!s.ok()) return s;
   }
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  RecParams rp = rec_params(p, tmq, tmk, seq_desc(p), reinterpret_cast<int*>(ws + wl.table), ws + wl.regions);
-  rp.tmv = tmv;
-  rp.scale = static_cast<float>(p.scale);
-  rp.o = nullptr;
-  rp.h0 = static_cast<const float*>(dht.data);
-  rp.hT = static_cast<float*>(dh0.data);
-  for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
-  rp.h0_pool = rp.hT_pool = PoolIndex{};
-  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
-  rp.pieces = reinterpret_cast<int*>(ws + wl.pieces);
-  rp.plan = sc.plan;
-  rp.maps = reinterpret_cast<float*>(ws + wl.maps);
-  rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
-  rp.warm_max = 0;
-  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const int N = static_cast<int>(num_seqs(p)), HV = static_cast<int>(p.shape.num_v_heads);
-  const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces), HV, kDV / Cfg::kVT);
-  rp.pass = 0;  // pieces 1 .. np - 1 alone, no fragments
-  rp.grad_frags = nullptr;
-  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");
-  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
-  rp.pass = 1;
-  rp.grad_frags = grad_frags;
-  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 1)");
-  return Status::Ok();
+  return launch_reverse_chain<T, kMathWGs>(p, bl.sc, bl.fwd, tmq, tmk, tmdo, dht, dh0, grad_frags);
 }
 
-// The gradients kernel over the regions and chunk operands that earlier test calls left (the
-// chunk table and regions in p.workspace, as test_run_reverse_chain leaves them).
+// Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
+// earlier test calls left in p.workspace (as test_run_reverse_chain leaves them).
 template <class T>
 Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const void* tm,
                           const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
                           const MutTensorRef& dbeta) {
   if (num_seqs(p) == 0) return Status::Ok();
-  int* table = nullptr;
-  void* regions = nullptr;
-  Status s = test_table_regions(p, "sm90 gradients (test)", table, regions);
+  DeviceInfo* dinfo = nullptr;
+  Status s = device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<T>(dinfo);
   if (!s.ok()) return s;
-  ChunkGradParams gp{};
-  gp.sd = seq_desc(p);
-  gp.chunk_off = table;
-  gp.regions = regions;
-  gp.frags = frags;
-  gp.N = static_cast<int>(num_seqs(p));
-  gp.H = static_cast<int>(p.shape.num_qk_heads);
-  gp.HV = static_cast<int>(p.shape.num_v_heads);
-  s = make_tile_map(&gp.tmq, p.q, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmk, p.k, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmv, p.v, p.shape.num_v_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmdo, d_o, p.shape.num_v_heads, p.shape);
+  const BwdLayout bl = bwd_layout(p, dinfo->sms);
+  s = check_workspace("sm90 gradients (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
   if (!s.ok()) return s;
-  gp.tm = tm;
-  gp.beta = p.beta.data;
-  gp.b_dt = static_cast<int>(p.beta.dtype);
-  gp.scale = static_cast<float>(p.scale);
-  gp.dq = dq.data;
-  gp.dk = dk.data;
-  gp.dv = dv.data;
-  gp.dg = dg.data;
-  gp.dbeta = dbeta.data;
-  gp.dg_dt = static_cast<int>(dg.dtype);
-  gp.db_dt = static_cast<int>(dbeta.dtype);
-  for (int i = 0; i < 3; ++i) {
-    gp.sdq[i] = dq.stride[i];
-    gp.sdk[i] = dk.stride[i];
-    gp.sdv[i] = dv.stride[i];
-  }
-  for (int i = 0; i < 2; ++i) {
-    gp.sb[i] = p.beta.stride[i];
-    gp.sdg[i] = dg.stride[i];
-    gp.sdb[i] = dbeta.stride[i];
-  }
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
-               "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
-  gdn_bwd_chunk_grads<T><<<dim3(static_cast<unsigned>(max_chunks(p)), gp.H), kGradThreads, kGradSmemBytes,
-                           static_cast<cudaStream_t>(p.stream)>>>(gp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_chunk_grads");
-  return Status::Ok();
+  return launch_chunk_grads<T>(p, bl.fwd, d_o, frags, tm, dq, dk, dv, dg, dbeta);
 }
 #endif
 
@@ -943,6 +985,28 @@ Status forward_workspace_size(const GdnForwardParams& p, size_t* bytes) {
   if (!bytes) return Status::Error(StatusCode::kInvalidArgument, "sm90 forward: bytes is null");
   *bytes = ws_layout(p).total;
   return Status::Ok();
+}
+
+Status fused_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) {
+  *bytes = 0;
+  const GdnForwardParams f = states_params(p);
+  Status s = check_supported(f);
+  if (!s.ok()) return s;
+  DeviceInfo* dinfo = nullptr;
+  s = device_info(&dinfo);  // cached; check_supported has read it
+  if (!s.ok()) return s;
+  *bytes = bwd_layout(f, dinfo->sms).total;
+  return Status::Ok();
+}
+
+Status fused_backward(const GdnBackwardParams& p) {
+  size_t bytes = 0;
+  Status s = fused_backward_workspace_size(p, &bytes);
+  if (!s.ok()) return s;
+  s = check_workspace("sm90 backward", p.workspace, p.workspace_bytes, bytes);
+  if (!s.ok()) return s;
+  if (p.q.dtype == DType::kBFloat16) return launch_backward<cutlass::bfloat16_t>(p);
+  return launch_backward<cutlass::half_t>(p);
 }
 
 Status forward(const GdnForwardParams& p) {

@@ -54,6 +54,17 @@ Status device_info(DeviceInfo** out) {
   if (e != cudaSuccess)
     return Status::Error(StatusCode::kNotSupported, std::string("sm90: no CUDA device: ") + cudaGetErrorString(e));
   if (dev < 0 || dev >= kMaxDevices) return Status::Error(StatusCode::kNotSupported, "sm90: device index out of range");
+  // The driver calls (cuTensorMapEncodeTiled) need a context current on the calling thread, which
+  // the runtime binds at its first call there that needs one. A thread may reach a launch before
+  // any such call (autograd's backward thread, once another thread has prepared the kernels):
+  // bind the device's primary context once per thread and device.
+  thread_local int t_bound = -1;
+  if (t_bound != dev) {
+    e = cudaSetDevice(dev);
+    if (e != cudaSuccess)
+      return Status::Error(StatusCode::kNotSupported, std::string("sm90: cannot use the CUDA device: ") + cudaGetErrorString(e));
+    t_bound = dev;
+  }
   DeviceInfo& d = g_devices[dev];
   if (__atomic_load_n(&d.sms, __ATOMIC_ACQUIRE) == 0) {
     std::lock_guard<std::mutex> lock(g_devices_mu);
