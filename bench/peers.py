@@ -176,6 +176,10 @@ def qla_backward(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=No
     kwargs = {}
     if cu_seqlens_cpu is not None and _accepts(bwd, "cu_seqlens_cpu"):
         kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    # QLA_BENCH_BWD_SPLIT=1: the fused backward on every row (split=True), to place the
+    # dispatch's threshold between it and the chunked backward.
+    if os.environ.get("QLA_BENCH_BWD_SPLIT") == "1" and _accepts(bwd, "split"):
+        kwargs["split"] = True
 
     def fn():
         return bwd(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens, **kwargs)
