@@ -206,10 +206,13 @@ struct GdnBackwardParams {
 
   // Sequence splitting (CUDA backward), as the forward's fields: the fused backward runs the
   // forward's pieces (exact transfer maps, transposed for the state gradient). It is taken for
-  // calls of few (sequence, value head) pairs, and always with split = kOn (the chunked
-  // backward, which does not split, elsewhere for now). The CPU backend ignores them.
+  // calls of few (sequence, value head) pairs, and always with split = kOn or batch_invariant
+  // (the chunked backward, which does not split, elsewhere for now). batch_invariant: a
+  // sequence's gradients are bitwise the same whatever else the call holds (other sequences,
+  // other heads), as the forward's. The CPU backend ignores them.
   SplitMode split = SplitMode::kAuto;
   int split_chunks = 0;
+  bool batch_invariant = false;
 
   Device device = Device::kCpu;
   void* stream = nullptr;

@@ -256,9 +256,11 @@ def gdn_bwd(
     state_v_first: bool,
     split_mode: int = SPLIT_AUTO,
     split_chunks: int = 0,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward (split_mode, split_chunks: the CUDA backward's splitting, as the forward's;
-    SPLIT_ON also makes it take the fused backward, which splits)."""
+    """The backward (split_mode, split_chunks, batch_invariant: the CUDA backward's splitting
+    and batch invariance, as the forward's; SPLIT_ON or batch_invariant also make it take the
+    fused backward, which splits)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _num_seqs(q, cu_seqlens)
@@ -275,17 +277,17 @@ def gdn_bwd(
     layout = 1 if state_v_first else 0
     dev = q.device
     if dev.type != "cuda":
-        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, split_mode, split_chunks)
+        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, split_mode, split_chunks, batch_invariant)
         return dq, dk, dv, dg, dbeta, dh0
     _run_cuda(_C.backward, _C.backward_workspace_size,
-              ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index, split_mode, split_chunks), shape, descs, scale,
-              layout, dev, split_mode, split_chunks)
+              ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index, split_mode, split_chunks, batch_invariant),
+              shape, descs, scale, layout, dev, split_mode, split_chunks, batch_invariant)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @gdn_bwd.register_fake
 def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode=SPLIT_AUTO,
-                  split_chunks=0):
+                  split_chunks=0, batch_invariant=False):
     n = _num_seqs(q, cu_seqlens)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -301,7 +303,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first = inputs[:10]
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
-    ctx.split_mode, ctx.split_chunks = inputs[11], inputs[12]  # the backward splits as asked of the forward
+    # The backward splits as asked of the forward, and is batch-invariant where it was.
+    ctx.split_mode, ctx.split_chunks, ctx.batch_invariant = inputs[11], inputs[12], inputs[13]
     ctx.state_v_first = state_v_first
     ctx.output_final_state = output_final_state
 
@@ -313,6 +316,7 @@ def _backward(ctx, do, dht):
     dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
         None if dht is None else dht.contiguous(), ctx.state_v_first, ctx.split_mode, ctx.split_chunks,
+        ctx.batch_invariant,
     )
     # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,

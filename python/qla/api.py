@@ -310,17 +310,19 @@ def chunk_gated_delta_rule_bwd(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     split: Optional[bool] = None,
     split_chunks: Optional[int] = None,
+    batch_invariant: bool = False,
 ):
     """Low-level backward: given the forward inputs, do (the gradient of o) and dht (the
     gradient of the final state, or None), returns (dq, dk, dv, dg, dbeta, dh0).
 
     dq and dk are summed over each value-head group (GVA); dg and dbeta have the dtypes
     of g and beta; dh0 is fp32 in the state layout (the gradient of initial_state,
-    which is zero-initialised when initial_state is None). split, split_chunks: the CUDA
-    backward's sequence splitting, as chunk_gated_delta_rule's (split=True takes the fused
-    backward, which splits; None: automatic).
+    which is zero-initialised when initial_state is None). split, split_chunks, batch_invariant:
+    the CUDA backward's sequence splitting and batch invariance, as chunk_gated_delta_rule's
+    (split=True or batch_invariant=True take the fused backward, which splits; None: automatic).
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
+    batch_invariant = _check_bool("batch_invariant", batch_invariant)
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, cu_seqlens_cpu)
     _check_tensor("do", do, 4, (q.dtype,))
     if tuple(do.shape) != tuple(v.shape):
@@ -342,7 +344,8 @@ def chunk_gated_delta_rule_bwd(
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0)
     return _ops.gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
-                        None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks)
+                        None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks,
+                        batch_invariant)
 
 
 def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,

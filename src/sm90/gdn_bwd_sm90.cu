@@ -270,11 +270,12 @@ Status bwd_launch(const GdnBackwardParams& p) {
 // docs/backward.md section 10) where it is measured faster than the chunked one below, calls of
 // at most kFusedBwdMaxPairs (sequence, value head) pairs (bwd-24 in docs/design.md: 2/4 and 4/8
 // at 1x8192 and 1x32768, 1.2-2x on the H100; at 16 pairs it is ahead at 1x32768, behind at
-// 1x8192), and whenever the caller asks for pieces (split = kOn: only it splits). The chunked
-// backward elsewhere, until the fused one is faster everywhere.
+// 1x8192), and whenever the caller asks for pieces (split = kOn: only it splits) or for batch
+// invariance (a choice by the call's pair count would let the rest of the batch pick the path).
+// The chunked backward elsewhere, until the fused one is faster everywhere.
 constexpr int64_t kFusedBwdMaxPairs = 8;
 bool fused_backward_chosen(const GdnBackwardParams& p) {
-  return p.split == SplitMode::kOn || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
+  return p.split == SplitMode::kOn || p.batch_invariant || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
 }
 
 }  // namespace

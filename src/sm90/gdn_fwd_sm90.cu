@@ -602,6 +602,7 @@ GdnForwardParams states_params(const GdnBackwardParams& b) {
   f.state_layout = b.state_layout;
   f.split = b.split;
   f.split_chunks = b.split_chunks;
+  f.batch_invariant = b.batch_invariant;  // (the plan per sequence; the states pass is on the exact path anyway)
   f.device = b.device;
   f.stream = b.stream;
   f.workspace = b.workspace;

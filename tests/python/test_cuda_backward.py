@@ -287,3 +287,39 @@ def test_fused_backward_split_in_a_cuda_graph_with_nan_on_malformed_cu_seqlens()
                                            split_chunks=2)
     for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
         assert bool(torch.isnan(t).all()), name
+
+
+def test_fused_backward_batch_invariant_bits_do_not_depend_on_the_batch_or_the_head_count():
+    # batch_invariant=True (the fused backward, pieces of 64 chunks per sequence): two sequences
+    # (5000 tokens: two pieces; 700) give bitwise the same gradients alone, inside a call with 40
+    # more sequences, and as a tensor-parallel shard (key head 1 and value heads 4-7 of 8); and
+    # within the bound against the exact CPU backend.
+    H, HV, lens = 2, 8, [5000, 700]
+    x = _inputs(lens + _mixed_lengths(40, 23, 900), H, HV, "mild", seed=61, zero_heads=True)
+    T2 = sum(lens)
+    cu2 = torch.tensor([0, 5000, T2], dtype=torch.int32, device="cuda")
+    do, dht = _upstream(x, 62)
+
+    def run(q, k, v, g, beta, h0, d_o, d_ht, cu):
+        dq, dk, dv, dg, db, dh0 = qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, d_o, dht=d_ht, initial_state=h0,
+                                                                 cu_seqlens=cu, batch_invariant=True)
+        return dq[:, :T2], dk[:, :T2], dv[:, :T2], dg[:, :T2], db[:, :T2], dh0[:2]
+
+    q, k, v, g, beta, h0, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"))
+    every = run(q, k, v, g, beta, h0, do, dht, cu)
+    two = run(*(t[:, :T2] for t in (q, k, v, g, beta)), h0[:2], do[:, :T2], dht[:2], cu2)
+    hs = slice(4, 8)
+    tp = run(*(t[:, :T2, 1:2].contiguous() for t in (q, k)), *(t[:, :T2, hs].contiguous() for t in (v, g, beta)),
+             h0[:2, hs].contiguous(), do[:, :T2, hs].contiguous(), dht[:2, hs].contiguous(), cu2)
+    torch.cuda.synchronize()
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, b in zip(names, two, every):
+        assert torch.equal(a, b), f"{name}: a sequence's bits changed with the batch"
+    shard = (every[0][:, :, 1:2], every[1][:, :, 1:2], every[2][:, :, hs], every[3][:, :, hs], every[4][:, :, hs],
+             every[5][:, hs])
+    for name, a, b in zip(names, tp, shard):
+        assert torch.equal(a, b), f"{name}: bits changed with the head count"
+    ref = qla.chunk_gated_delta_rule_bwd(*(t[:, :T2].cpu() for t in (q, k, v, g, beta)), do[:, :T2].cpu(),
+                                         dht=dht[:2].cpu(), initial_state=h0[:2].cpu(), cu_seqlens=cu2.cpu())
+    for name, a, b in zip(names, two, ref):
+        assert rel_err(a, b) <= FUSED_TOL, (name, rel_err(a, b))
