@@ -19,7 +19,10 @@
 //                       hi + lo parts except w.
 // This file holds the host side (checks, workspace layout, tensor maps, the launch decisions);
 // the kernels are in common.cuh (layouts, PTX helpers), prep.cuh, inverse.cuh, recurrence.cuh
-// and fused_chunks.cuh. See src/sm90/README.md for the design and budgets.
+// and fused_chunks.cuh. It also holds the fused backward's host side (launch_backward, which
+// gdn_bwd_sm90.cu dispatches to), beside the forward kernels its states pass runs; its own
+// kernels are in fused_reverse.cuh, split.cuh (gdn_bwd_scan) and chunk_grads.cuh. See
+// src/sm90/README.md for the design and budgets.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
