@@ -57,13 +57,25 @@ Status device_info(DeviceInfo** out) {
   // The driver calls (cuTensorMapEncodeTiled) need a context current on the calling thread, which
   // the runtime binds at its first call there that needs one. A thread may reach a launch before
   // any such call (autograd's backward thread, once another thread has prepared the kernels):
-  // bind the device's primary context once per thread and device.
-  thread_local int t_bound = -1;
-  if (t_bound != dev) {
-    e = cudaSetDevice(dev);
-    if (e != cudaSuccess)
-      return Status::Error(StatusCode::kNotSupported, std::string("sm90: cannot use the CUDA device: ") + cudaGetErrorString(e));
-    t_bound = dev;
+  // once per thread and device, where no context is current, bind the device's primary one (a
+  // caller's own current context is left alone; without the driver's answer, nothing is bound
+  // and a later driver call reports its own error).
+  thread_local int t_checked = -1;
+  if (t_checked != dev) {
+    static PFN_cuCtxGetCurrent_v4000 get_current = nullptr;  // benign race: same value
+    if (!get_current) {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult q{};
+      if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 4000, cudaEnableDefault, &q) == cudaSuccess &&
+          q == cudaDriverEntryPointSuccess)
+        get_current = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(fn);
+    }
+    CUcontext ctx = nullptr;
+    if (get_current && get_current(&ctx) == CUDA_SUCCESS && ctx == nullptr) {
+      e = cudaSetDevice(dev);
+      if (e != cudaSuccess) return cuda_err(e, "cudaSetDevice");
+    }
+    t_checked = dev;
   }
   DeviceInfo& d = g_devices[dev];
   if (__atomic_load_n(&d.sms, __ATOMIC_ACQUIRE) == 0) {
