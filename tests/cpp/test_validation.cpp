@@ -213,4 +213,20 @@ TEST(Validation, CudaBackwardRefusesWhatTheSm90BackendCannotRun) {
   }
   EXPECT_EQ(bytes, 0u);
   for (float x : dq) EXPECT_EQ(x, 7.f);  // nothing written
+  // The backward's splitting options are checked on every backend, by name.
+  b.device = qla::Device::kCpu;
+  b.split = static_cast<qla::SplitMode>(5);
+  const qla::Status bad_split = qla::gdn_backward(b);
+  EXPECT_EQ(bad_split.code(), qla::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_split.message().find("split: expected SplitMode kAuto, kOff or kOn, got 5"), std::string::npos)
+      << bad_split.message();
+  b.split = qla::SplitMode::kOn;
+  b.split_chunks = -1;
+  const qla::Status bad_chunks = qla::gdn_backward(b);
+  EXPECT_EQ(bad_chunks.code(), qla::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_chunks.message().find("split_chunks: expected >= 0"), std::string::npos) << bad_chunks.message();
+  for (float x : dq) EXPECT_EQ(x, 7.f);  // nothing written
+  b.split_chunks = 2;
+  b.batch_invariant = true;
+  EXPECT_TRUE(qla::gdn_backward(b).ok());  // the CPU backend accepts and ignores them
 }

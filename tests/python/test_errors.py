@@ -217,6 +217,18 @@ def test_backward_argument_errors():
         qla.chunk_gated_delta_rule_bwd(*args, torch.randn(1, 10, 4, 7))
     with pytest.raises(ValueError, match=r"dht: expected shape \[1, 4, 8, 8\]"):
         qla.chunk_gated_delta_rule_bwd(*args, torch.randn(1, 10, 4, 8), torch.randn(1, 4, 8, 9))
+    do = torch.randn(1, 10, 4, 8)
+    with pytest.raises(TypeError, match=r"split: expected None \(automatic\), True or False, got str"):
+        qla.chunk_gated_delta_rule_bwd(*args, do, split="yes")
+    with pytest.raises(ValueError, match=r"split_chunks: expected at least 1 .* got 0"):
+        qla.chunk_gated_delta_rule_bwd(*args, do, split=True, split_chunks=0)
+    with pytest.raises(TypeError, match=r"batch_invariant: expected True or False, got int"):
+        qla.chunk_gated_delta_rule_bwd(*args, do, batch_invariant=1)
+    # CPU calls accept and ignore the options: the same gradients.
+    plain = qla.chunk_gated_delta_rule_bwd(*args, do)
+    opts = qla.chunk_gated_delta_rule_bwd(*args, do, split=True, split_chunks=1, batch_invariant=True)
+    for a, b in zip(plain, opts):
+        assert torch.equal(a, b)
 
 
 def test_head_dim_over_256_is_refused_by_the_core():
