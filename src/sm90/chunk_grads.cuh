@@ -139,14 +139,7 @@ template <int N, GMMA::Major kA, GMMA::Major kB, class TA, class TB, class Acc>
 __device__ __forceinline__ void grad_ss(int wt, const TA& sA, const TB& sB, Acc& acc, GMMA::ScaleOut first) {
   auto mma = make_tiled_mma(GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, Int<N>, _16>, kA, kB>());
   auto thr = mma.get_thread_slice(wt);
-  Tensor rA = thr.partition_fragment_A(sA);
-  Tensor rB = thr.partition_fragment_B(sB);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  gemm_k(mma, rA, rB, acc, first);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  gemm_sync(mma, thr.partition_fragment_A(sA), thr.partition_fragment_B(sB), acc, first);
 }
 
 // As above with a register A operand (fp16, accumulator order).

@@ -85,6 +85,16 @@ __device__ __forceinline__ void gemm_k(MMA& mma, const FA& rA, const FB& rB, Acc
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
 }
+// One wgmma product acc (+)= A B (fragments or descriptors) as its own batch, waited for.
+template <class MMA, class FA, class FB, class Acc>
+__device__ __forceinline__ void gemm_sync(MMA& mma, const FA& rA, const FB& rB, Acc& acc, GMMA::ScaleOut first) {
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  gemm_k(mma, rA, rB, acc, first);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
 
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>

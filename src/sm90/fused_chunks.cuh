@@ -382,12 +382,7 @@ __device__ __forceinline__ void aux_scores_w(const cutlass::half_t* sQK, const c
 template <class MMA, class RA, class RB, class Acc>
 __device__ __forceinline__ void product_sync(MMA& mma, RA& rA, const RB& rB, Acc& acc, GMMA::ScaleOut first) {
   warpgroup_fence_operand(rA);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  gemm_k(mma, rA, rB, acc, first);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  gemm_sync(mma, rA, rB, acc, first);
 }
 
 // A warpgroup's 64 x N fp32 accumulator rows as fp16 into the K-major (row, column) tensor t, by

@@ -48,6 +48,36 @@ def _upstream(x, seed):
     return do, dht
 
 
+def _autograd_grads(x, do, dht, **opts):
+    """Every gradient of one forward + backward through autograd (opts: the splitting options)."""
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
+    o, ht = qla.chunk_gated_delta_rule(*(leaves[n] for n in NAMES[:5]), initial_state=leaves["initial_state"],
+                                       output_final_state=True, cu_seqlens=x["cu_seqlens"], **opts)
+    torch.autograd.backward([o, ht], [do, dht])
+    return [leaves[n].grad.clone() for n in NAMES]
+
+
+def _graph_replay_grads(x, fresh, do, dht, **opts):
+    """Forward + backward captured in one CUDA graph on x's tensors, replayed after fresh's values
+    were copied into them: the replay's gradients by name."""
+    static = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
+
+    def step():
+        for t in static.values():
+            t.grad = None
+        o, ht = qla.chunk_gated_delta_rule(*(static[n] for n in NAMES[:5]), initial_state=static["initial_state"],
+                                           output_final_state=True, cu_seqlens=x["cu_seqlens"], **opts)
+        torch.autograd.backward([o, ht], [do, dht])
+
+    graph, _ = capture_cuda_graph(step)
+    with torch.no_grad():
+        for n in NAMES:
+            static[n].copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    return {n: static[n].grad for n in NAMES}
+
+
 @pytest.mark.parametrize("gate", ["mild", "strong", "zero"])
 def test_backward_accuracy_bf16(gate):
     x = _inputs([300], 2, 4, gate, zero_heads=(gate == "mild"))
@@ -61,17 +91,9 @@ def test_two_identical_backward_calls_give_identical_bits():
     # on a shape with many CTAs per kernel (several chunks per sequence, GVA, ragged lengths).
     x = _inputs([1000, 333, 64, 700], 2, 8, "mild", seed=31)
     do, dht = _upstream(x, 32)
-
-    def grads():
-        leaves = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
-        o, ht = qla.chunk_gated_delta_rule(*(leaves[n] for n in NAMES[:5]), initial_state=leaves["initial_state"],
-                                           output_final_state=True, cu_seqlens=x["cu_seqlens"])
-        torch.autograd.backward([o, ht], [do, dht])
-        return [leaves[n].grad.clone() for n in NAMES]
-
-    first = grads()
+    first = _autograd_grads(x, do, dht)
     for _ in range(3):
-        for n, a, b in zip(NAMES, first, grads()):
+        for n, a, b in zip(NAMES, first, _autograd_grads(x, do, dht)):
             assert torch.equal(a, b), f"d{n} differs between identical calls"
 
 
@@ -104,26 +126,12 @@ def test_backward_more_sequences_than_a_grid_dimension():
 
 def test_forward_and_backward_in_one_cuda_graph():
     x = _inputs([256, 100], 2, 4, "mild", seed=14)
-    static = {n: x[n].detach().clone().requires_grad_(n in NAMES) for n in NAMES}
     do, dht = _upstream(x, 15)
-
-    def step():
-        for t in static.values():
-            t.grad = None
-        o, ht = qla.chunk_gated_delta_rule(*(static[n] for n in NAMES[:5]), initial_state=static["initial_state"],
-                                           output_final_state=True, cu_seqlens=x["cu_seqlens"])
-        torch.autograd.backward([o, ht], [do, dht])
-
-    graph, _ = capture_cuda_graph(step)
     fresh = _inputs([256, 100], 2, 4, "strong", seed=16)
-    with torch.no_grad():
-        for n in NAMES:
-            static[n].copy_(fresh[n])
-    graph.replay()
-    torch.cuda.synchronize()
+    got = _graph_replay_grads(x, fresh, do, dht)
     _, ref = _grads(fresh, do, dht)
     for n in NAMES:
-        assert rel_err(static[n].grad, ref[n]) <= TOLS[n], (n, rel_err(static[n].grad, ref[n]))
+        assert rel_err(got[n], ref[n]) <= TOLS[n], (n, rel_err(got[n], ref[n]))
 
 
 def test_backward_malformed_device_cu_seqlens_gives_nan_gradients():
@@ -240,18 +248,9 @@ def test_fused_backward_split_gives_identical_bits_across_calls():
     # equal across identical calls (no atomics; the scan's sums in a fixed order).
     x = _inputs([1000, 333, 64, 700], 2, 8, "mild", seed=55)
     do, dht = _upstream(x, 56)
-
-    def grads():
-        leaves = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
-        o, ht = qla.chunk_gated_delta_rule(*(leaves[n] for n in NAMES[:5]), initial_state=leaves["initial_state"],
-                                           output_final_state=True, cu_seqlens=x["cu_seqlens"], split=True,
-                                           split_chunks=3)
-        torch.autograd.backward([o, ht], [do, dht])
-        return [leaves[n].grad.clone() for n in NAMES]
-
-    first = grads()
+    first = _autograd_grads(x, do, dht, split=True, split_chunks=3)
     for _ in range(2):
-        for n, a, b in zip(NAMES, first, grads()):
+        for n, a, b in zip(NAMES, first, _autograd_grads(x, do, dht, split=True, split_chunks=3)):
             assert torch.equal(a, b), f"d{n} differs between identical calls"
 
 
@@ -259,27 +258,12 @@ def test_fused_backward_split_in_a_cuda_graph_with_nan_on_malformed_cu_seqlens()
     # Captured once with split pieces, replayed on fresh inputs; then low level with malformed
     # device cu_seqlens: every gradient NaN.
     x = _inputs([700, 300], 2, 4, "mild", seed=57)
-    static = {n: x[n].detach().clone().requires_grad_(True) for n in NAMES}
     do, dht = _upstream(x, 58)
-
-    def step():
-        for t in static.values():
-            t.grad = None
-        o, ht = qla.chunk_gated_delta_rule(*(static[n] for n in NAMES[:5]), initial_state=static["initial_state"],
-                                           output_final_state=True, cu_seqlens=x["cu_seqlens"], split=True,
-                                           split_chunks=2)
-        torch.autograd.backward([o, ht], [do, dht])
-
-    graph, _ = capture_cuda_graph(step)
     fresh = _inputs([700, 300], 2, 4, "strong", seed=59)
-    with torch.no_grad():
-        for n in NAMES:
-            static[n].copy_(fresh[n])
-    graph.replay()
-    torch.cuda.synchronize()
+    got = _graph_replay_grads(x, fresh, do, dht, split=True, split_chunks=2)
     _, ref = _grads(fresh, do, dht)
     for n in NAMES:
-        assert rel_err(static[n].grad, ref[n]) <= FUSED_TOL, (n, rel_err(static[n].grad, ref[n]))
+        assert rel_err(got[n], ref[n]) <= FUSED_TOL, (n, rel_err(got[n], ref[n]))
     T = x["q"].shape[1]
     bad = torch.tensor([0, 800, T + 64], dtype=torch.int32, device="cuda")
     grads = qla.chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht=dht,
