@@ -370,7 +370,8 @@ struct StatesPass {
 // fused_v_tile_128. With `states`, the backward's states pass instead (StatesPass).
 template <class T>
 Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
-                    const CUtensorMap& tmk, const SeqDesc& sd, int sms, const StatesPass* states = nullptr) {
+                    const CUtensorMap& tmk, const SeqDesc& sd, int sms, const StatesPass* states = nullptr,
+                    const CUtensorMap* tmv_made = nullptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int N = static_cast<int>(num_seqs(p));
   const int HV = static_cast<int>(p.shape.num_v_heads);
@@ -406,8 +407,10 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
                                           pool_index(p.initial_state_indices, p.initial_state_slots),
                                           pool_index(p.final_state_indices, p.final_state_slots));
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_chunk_table");
-  CUtensorMap tmv;
-  Status s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
+  CUtensorMap tmv;  // (v's map, unless the caller made it: the backward's)
+  Status s = Status::Ok();
+  if (tmv_made) tmv = *tmv_made;
+  else s = make_tile_map(&tmv, p.v, p.shape.num_v_heads, p.shape);
   if (!s.ok()) return s;
   if (nregions > 0) {
     PrepParams pp = chunk_params(p, sd, N, table);
@@ -678,8 +681,20 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
 
 // Step 3: the gradients kernel over the chunk table and regions in wl's places, the T' images
 // tm and the fragments frags; dq, dk (summed over each value-head group), dv, dg, dbeta out.
+// The backward's four tensor maps (q, k, v, dO), encoded once per call and shared by its launches.
+struct BwdMaps {
+  CUtensorMap q, k, v, d_o;
+};
+Status make_bwd_maps(const GdnForwardParams& f, const TensorRef& d_o, BwdMaps& m) {
+  Status s = make_tile_map(&m.q, f.q, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.k, f.k, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.v, f.v, f.shape.num_v_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.d_o, d_o, f.shape.num_v_heads, f.shape);
+  return s;
+}
+
 template <class T>
-Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const TensorRef& d_o, const void* frags,
+Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const BwdMaps& maps, const void* frags,
                           const void* tm, const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv,
                           const MutTensorRef& dg, const MutTensorRef& dbeta) {
   uint8_t* ws = static_cast<uint8_t*>(f.workspace);
@@ -692,11 +707,10 @@ Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const T
   gp.N = static_cast<int>(num_seqs(f));
   gp.H = static_cast<int>(f.shape.num_qk_heads);
   gp.HV = static_cast<int>(f.shape.num_v_heads);
-  Status s = make_tile_map(&gp.tmq, f.q, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmk, f.k, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmv, f.v, f.shape.num_v_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&gp.tmdo, d_o, f.shape.num_v_heads, f.shape);
-  if (!s.ok()) return s;
+  gp.tmq = maps.q;
+  gp.tmk = maps.k;
+  gp.tmv = maps.v;
+  gp.tmdo = maps.d_o;
   gp.beta = f.beta.data;
   gp.b_dt = static_cast<int>(f.beta.dtype);
   gp.scale = static_cast<float>(f.scale);
@@ -724,27 +738,24 @@ Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const T
   return Status::Ok();
 }
 
+// The three steps, with the plan and layout fused_backward made (once per call: the eager path
+// encodes four tensor maps and plans once).
 template <class T>
-Status launch_backward(const GdnBackwardParams& b) {
-  const GdnForwardParams f = states_params(b);
+Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, const BwdLayout& bl, DeviceInfo* dinfo) {
   if (num_seqs(f) == 0) return Status::Ok();
-  DeviceInfo* dinfo = nullptr;
-  Status s = device_info(&dinfo);
-  if (s.ok()) s = prepare_kernels<T>(dinfo);
+  Status s = prepare_kernels<T>(dinfo);
   if (!s.ok()) return s;
-  const BwdLayout bl = bwd_layout(f, dinfo->sms);
-  CUtensorMap tmq, tmk, tmdo;
-  s = make_tile_map(&tmq, f.q, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&tmk, f.k, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&tmdo, b.d_o, f.shape.num_v_heads, f.shape);
+  BwdMaps maps;
+  s = make_bwd_maps(f, b.d_o, maps);
   if (!s.ok()) return s;
   uint8_t* ws = static_cast<uint8_t*>(f.workspace);
   StatesPass sp;
   sp.frags = ws + bl.frags;
   sp.tm = ws + bl.tm;
-  s = launch_fused<T>(f, bl.sc, bl.fwd, tmq, tmk, seq_desc(f), dinfo->sms, &sp);
-  if (s.ok()) s = launch_reverse_chain<T, 1>(f, bl.sc, bl.fwd, tmq, tmk, tmdo, b.d_final_state, b.d_initial_state, sp.frags);
-  if (s.ok()) s = launch_chunk_grads<T>(f, bl.fwd, b.d_o, sp.frags, sp.tm, b.dq, b.dk, b.dv, b.dg, b.dbeta);
+  s = launch_fused<T>(f, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(f), dinfo->sms, &sp, &maps.v);
+  if (s.ok())
+    s = launch_reverse_chain<T, 1>(f, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, b.d_final_state, b.d_initial_state, sp.frags);
+  if (s.ok()) s = launch_chunk_grads<T>(f, bl.fwd, maps, sp.frags, sp.tm, b.dq, b.dk, b.dv, b.dg, b.dbeta);
   return s;
 }
 
@@ -859,7 +870,10 @@ Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const
   const BwdLayout bl = bwd_layout(p, dinfo->sms);
   s = check_workspace("sm90 gradients (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
   if (!s.ok()) return s;
-  return launch_chunk_grads<T>(p, bl.fwd, d_o, frags, tm, dq, dk, dv, dg, dbeta);
+  BwdMaps maps;
+  s = make_bwd_maps(p, d_o, maps);
+  if (!s.ok()) return s;
+  return launch_chunk_grads<T>(p, bl.fwd, maps, frags, tm, dq, dk, dv, dg, dbeta);
 }
 #endif
 
@@ -1004,13 +1018,17 @@ Status fused_backward_workspace_size(const GdnBackwardParams& p, size_t* bytes) 
 }
 
 Status fused_backward(const GdnBackwardParams& p) {
-  size_t bytes = 0;
-  Status s = fused_backward_workspace_size(p, &bytes);
+  const GdnForwardParams f = states_params(p);
+  Status s = check_supported(f);
   if (!s.ok()) return s;
-  s = check_workspace("sm90 backward", p.workspace, p.workspace_bytes, bytes);
+  DeviceInfo* dinfo = nullptr;
+  s = device_info(&dinfo);  // cached; check_supported has read it
   if (!s.ok()) return s;
-  if (p.q.dtype == DType::kBFloat16) return launch_backward<cutlass::bfloat16_t>(p);
-  return launch_backward<cutlass::half_t>(p);
+  const BwdLayout bl = bwd_layout(f, dinfo->sms);
+  s = check_workspace("sm90 backward", p.workspace, p.workspace_bytes, bl.total);
+  if (!s.ok()) return s;
+  if (p.q.dtype == DType::kBFloat16) return launch_backward<cutlass::bfloat16_t>(p, f, bl, dinfo);
+  return launch_backward<cutlass::half_t>(p, f, bl, dinfo);
 }
 
 Status forward(const GdnForwardParams& p) {
