@@ -537,11 +537,12 @@ __device__ __forceinline__ void x_and_decay(const Acc& acc, const CAcc& cAcc, co
   for (int i = 0; i < size(accS); ++i) accS(i) *= f[acc_half(i)] * eG;
 }
 
-// The piece's path (split.cuh), from the gates of the chunks before its boundaries, by warp 1
+// The piece's path (split.cuh), from the gates of the chunks next to its boundaries, by warp 1
 // into sflags: [0] the warm-up path, [1] its warm-up chunks.
 __device__ __forceinline__ void piece_path_flags(const RecParams& p, const PieceCta& tile, int* sflags, int tid) {
   if (tid >= 32 && tid < 64) {
-    const bool warm = tile.sp.np > 1 && warm_path(p, tile.ci0, tile.hv, tile.sp, tid - 32);
+    const int nch = static_cast<int>((tile.slen + kC - 1) / kC);
+    const bool warm = tile.sp.np > 1 && warm_path(p, tile.ci0, tile.hv, tile.sp, nch, tid - 32);
     if (tid == 32) {
       sflags[0] = warm;
       sflags[1] = warm && tile.j > 0 ? warm_chunks(p, tile.ci0, tile.hv, tile.j * tile.sp.len) : 0;
@@ -689,7 +690,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
   const int vt = tile.vt, n = tile.n, hv = tile.hv;
   const int64_t b = tile.b, t0 = tile.t0, slen = tile.slen;
   if (fused_cta_idle<T>(p, tile)) return;
-  // The piece's path (split.cuh), from the gates of the chunks before its boundaries: warp 1.
+  // The piece's path (split.cuh), from the gates of the chunks next to its boundaries: warp 1.
   int* sflags = reinterpret_cast<int*>(sm + Cfg::kFlags);
   piece_path_flags(p, tile, sflags, tid);
   if (tid == 0) {

@@ -327,16 +327,24 @@ __device__ __forceinline__ void reverse_units(const AccS& accS, S16& rS16, D16& 
   }
 }
 
-// A reverse-chain CTA's role (docs/backward.md "Build step 4, second half"). Unsplit calls (no
-// pieces): one pass, each sequence from d(final state) to d(initial state). Split calls (the
-// forward's plan, its exact path everywhere: maps M_j of pieces 0 .. np - 2 in `maps`):
-//   pass 0: pieces 1 .. np - 1 alone, the last from d(final state), the others from zero; each
-//           writes the gradient entering it into the R columns of the map slot before its own
-//           (the last one's is the gradient leaving piece np - 2, the others' D_j);
-//   gdn_bwd_scan turns the D_j into the gradients leaving pieces np - 3 .. 0;
-//   pass 1: every piece from the gradient leaving it (its slot; d(final state) for the last),
-//           with the fragments; piece 0 writes d(initial state). Whole sequences run here.
-__device__ __forceinline__ PieceRole reverse_role(const RecParams& p, const PieceCta& c, int nr) {
+// A reverse-chain CTA's role (docs/backward.md "Build step 4, second half" and "The warm-up
+// mirror"). Unsplit calls (no pieces): one pass, each sequence from d(final state) to d(initial
+// state). Split calls (the forward's plan) take one of two paths per (sequence, value head),
+// chosen from the gates (warm_path with kWarmAfter, split.cuh):
+//   warm-up mirror (warm; wj: the warm-up of the boundary after this piece): pass 1 only, every
+//           piece at once, the last from d(final state), the others from zero at the wj-th chunk
+//           after their end, run back through those chunks without fragments (the dropped part
+//           is scaled by their decay), then through the piece with them;
+//   exact (the states pass's maps M_j of pieces 0 .. np - 2 in `maps`):
+//     pass 0: pieces 1 .. np - 1 alone, the last from d(final state), the others from zero; each
+//             writes the gradient entering it into the R columns of the map slot before its own
+//             (the last one's is the gradient leaving piece np - 2, the others' D_j);
+//     gdn_bwd_scan turns the D_j into the gradients leaving pieces np - 3 .. 0;
+//     pass 1: every piece from the gradient leaving it (its slot; d(final state) for the last),
+//             with the fragments.
+// Piece 0 writes d(initial state). Whole sequences run in pass 1 (or the one pass, unsplit).
+// Loop step c takes chunk c0 + nch - 1 - c; the first nwarm steps store no fragments.
+__device__ __forceinline__ PieceRole reverse_role(const RecParams& p, const PieceCta& c, int nr, bool warm, int wj) {
   PieceRole r{true, 0, 0, 0, kInitH0, kEndFinal, true};
   const int nch = static_cast<int>((c.slen + kC - 1) / kC);
   r.c0 = c.j * c.sp.len;
@@ -345,15 +353,33 @@ __device__ __forceinline__ PieceRole reverse_role(const RecParams& p, const Piec
   r.run = c.vt < nr;
   if (!p.pieces) return r;
   if (p.pass == 0) {
-    r.run = r.run && c.j > 0;
+    r.run = r.run && c.j > 0 && !warm;
     r.init = last ? kInitH0 : kInitZero;
     r.end = kEndMaps;
     r.out = false;
     return r;
   }
-  r.init = last ? kInitH0 : kInitMaps;
   r.end = c.j == 0 ? kEndFinal : kEndNone;
+  if (warm) {
+    r.init = last ? kInitH0 : kInitZero;
+    r.nwarm = last ? 0 : wj;
+    r.nch += r.nwarm;
+    return r;
+  }
+  r.init = last ? kInitH0 : kInitMaps;
   return r;
+}
+// The piece's path, by warp 1 into sflags: [0] the warm-up mirror, [1] the warm-up of the
+// boundary after the piece.
+__device__ __forceinline__ void reverse_path_flags(const RecParams& p, const PieceCta& tile, int* sflags, int tid) {
+  if (tid >= 32 && tid < 64) {
+    const int nch = static_cast<int>((tile.slen + kC - 1) / kC);
+    const bool warm = p.pieces && tile.sp.np > 1 && warm_path(p, tile.ci0, tile.hv, tile.sp, nch, tid - 32);
+    if (tid == 32) {
+      sflags[0] = warm;
+      sflags[1] = warm && tile.j < tile.sp.np - 1 ? warm_chunks_after(p, tile.ci0, tile.hv, (tile.j + 1) * tile.sp.len, nch) : 0;
+    }
+  }
 }
 
 // The reverse chain: RecParams as the fused forward's (tiles_log2 = 1 at V tile 64, 0 at
@@ -386,8 +412,10 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __shared__ int sflags[2];
+  reverse_path_flags(p, tile, sflags, tid);
   __syncthreads();
-  const PieceRole role = reverse_role(p, tile, kDV / Cfg::kVT);
+  const PieceRole role = reverse_role(p, tile, kDV / Cfg::kVT, sflags[0], sflags[1]);
   if (!role.run) return;
   // Loop step c takes chunk c0 + nch - 1 - c of the sequence (last first).
   const int nch = role.nch;
@@ -483,7 +511,7 @@ __global__ void __launch_bounds__(RevCfg<kMathWGs>::kThreads, 1) gdn_bwd_fused_r
 
     // The gradients' copy of dSn' and its units (before the product: a wgmma's register operand
     // may not be read while it runs).
-    uint8_t* frags = role.out ? frag_block(p, role_region(c), v0) : nullptr;
+    uint8_t* frags = role.out && c >= role.nwarm ? frag_block(p, role_region(c), v0) : nullptr;
     if (frags) store_fragments(rS16, frags + kFragDSn, wt, reinterpret_cast<int*>(frags + kFragEsc), get<0>(cS(0)), esc);
     // dS' = f e^Gamma dS' (its products come below), then dU' = D A'' + dSn' Kd'^T.
     CUTE_UNROLL

@@ -357,9 +357,10 @@ bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms)
 
 // The backward's states pass (docs/backward.md section 10) runs the forward's launch with these
 // set: the lean kernel in every pass (no o), storing each chunk's entering state S' as fragments
-// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits but on the
-// exact path everywhere (the reverse chain's split needs every piece's map); tm, when set, takes
-// the inverse kernel's T' images (its backward instantiation).
+// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits, on the
+// warm-up path only where the chunks both before and after every boundary decay (elsewhere the
+// exact path: the reverse chain's exact path needs every piece's map); tm, when set, takes the
+// inverse kernel's T' images (its backward instantiation).
 struct StatesPass {
   void* frags = nullptr;
   void* tm = nullptr;
@@ -449,9 +450,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     if (wl.copy_h0) rp.h0_copy = reinterpret_cast<float*>(ws + wl.h0_copy);
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
+    // The states pass warms up only where the reverse chain's mirror does too (split.cuh): the
+    // reverse chain's exact path needs this pass's transfer maps.
+    rp.warm_rule = states ? kWarmBefore | kWarmAfter : kWarmBefore;
     rp.lean_maps = 1;
     rp.plan_dev = dp.out;
-    if (states) rp.warm_max = 0;  // the exact path: maps for the reverse chain
   }
   // Pass 0 (every forward): whole sequences; or, split, the lean kernel at V tile 64 for the
   // transfer maps (V + K columns) and the first pieces, writing no o; then the scan and pass 1
@@ -580,11 +583,14 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 // Three steps on p.stream, no host synchronisation (graph-capturable):
 //   1. the states pass: the forward's launch with a StatesPass (chunk table, the inverse kernel
 //      with the T' images, the lean kernel storing each chunk's entering state S' as fragments),
-//      split as the forward splits, on its exact path (every piece's transfer map);
+//      split as the forward splits (its warm-up path only where the reverse chain's is taken
+//      too, its exact path with every piece's transfer map elsewhere);
 //   2. the reverse chain (fused_reverse.cuh): each (sequence, value head, V tile of 64) from
-//      d(final state) back to d(initial state), storing dSn' and dU' as fragments; split: pass 0
-//      (pieces 1 .. np - 1 alone), gdn_bwd_scan (the gradient crossing the pieces by the
-//      transposed maps), pass 1 (every piece, with the fragments);
+//      d(final state) back to d(initial state), storing dSn' and dU' as fragments; split, per
+//      (sequence, value head): the warm-up mirror where the chunks after every boundary decay
+//      (one pass, each piece from its warm-up), else the exact path: pass 0 (pieces 1 .. np - 1
+//      alone), gdn_bwd_scan (the gradient crossing the pieces by the transposed maps), pass 1
+//      (every piece, with the fragments);
 //   3. the gradients kernel (chunk_grads.cuh): per (chunk, q/k head), dq, dk, dv, dg, dbeta.
 // Workspace: the forward's layout for its plan, then T' (8 KiB) and the fragments
 // (kFragRegionBytes) per (chunk, value head).
@@ -608,7 +614,7 @@ GdnForwardParams states_params(const GdnBackwardParams& b) {
   f.state_layout = b.state_layout;
   f.split = b.split;
   f.split_chunks = b.split_chunks;
-  f.batch_invariant = b.batch_invariant;  // (the plan per sequence; the states pass is on the exact path anyway)
+  f.batch_invariant = b.batch_invariant;  // (the plan per sequence, each path from the sequence's own gates)
   f.device = b.device;
   f.stream = b.stream;
   f.workspace = b.workspace;
@@ -666,7 +672,11 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
   rp.plan = sc.plan;
   rp.maps = reinterpret_cast<float*>(ws + wl.maps);
   rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
-  rp.warm_max = 0;  // (the states pass's exact path)
+  // The warm-up mirror where the chunks after every boundary decay (split.cuh); the exact path
+  // (pass 0, the transposed scan) elsewhere.
+  rp.warm_decay = kWarmLogDecay;
+  rp.warm_max = kWarmMaxChunks;
+  rp.warm_rule = kWarmAfter;
   rp.grad_frags = nullptr;  // pass 0: pieces 1 .. np - 1 alone
   gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");

@@ -42,8 +42,9 @@ struct RecParams {
                       // end state from zero | its transfer map (split.cuh, map_at)
   int pass;           // 0: the exact path's piece 0 and transfer maps (no o); 1: every piece with o (split.cuh)
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
-  float warm_decay;   // warm-up when the chunks before a boundary sum g to at most this (log) ...
+  float warm_decay;   // warm-up when the chunks next to a boundary sum g to at most this (log) ...
   int warm_max;       // ... within this many chunks (0: never; at most kWarmMaxChunks, split.cuh)
+  int warm_rule;      // which chunks: kWarmBefore (the forward), kWarmAfter (the reverse chain), or both (split.cuh)
   // Test builds only (set_test_fused_skip): what the fused recurrence leaves out, for timing
   // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
   // gates), 8 o's stores; the scan (split.cuh): 16 M's loads, 32 the products. 0 in the library.

@@ -67,10 +67,37 @@ __device__ __forceinline__ int warm_chunks(const RecParams& p, int ci0, int hv, 
   }
   return 0;
 }
-// Whether (sequence, head) takes the warm-up path: every one of its np - 1 boundaries (one warp).
-__device__ __forceinline__ bool warm_path(const RecParams& p, int ci0, int hv, PieceSplit sp, int lane) {
-  bool ok = p.warm_max > 0;
-  for (int j = 1 + lane; ok && j < sp.np; j += 32) ok = warm_chunks(p, ci0, hv, j * sp.len) > 0;
+// The backward's mirror (docs/backward.md "The warm-up mirror"): the state gradient at a boundary
+// comes from the chunks after it, so the reverse chain's warm-up runs the fewest chunks bc ..
+// bc + w - 1 (of the sequence's nch) whose gates sum to at most warm_decay from a zero gradient;
+// 0 if warm_max chunks do not.
+__device__ __forceinline__ int warm_chunks_after(const RecParams& p, int ci0, int hv, int bc, int nch) {
+  float dec[kWarmMaxChunks];
+  CUTE_UNROLL
+  for (int w = 1; w <= kWarmMaxChunks; ++w)
+    dec[w - 1] = w <= p.warm_max && bc + w <= nch ? chunk_log_decay(p, ci0 + bc + w - 1, hv) : 0.f;
+  float s = 0.f;
+  CUTE_UNROLL
+  for (int w = 1; w <= kWarmMaxChunks; ++w) {
+    if (w > p.warm_max || bc + w > nch) return 0;
+    s += dec[w - 1];
+    if (s <= p.warm_decay) return w;
+  }
+  return 0;
+}
+// Which chunks warm_path asks to decay (RecParams::warm_rule): those before every boundary (the
+// forward's warm-up), those after (the reverse chain's mirror), or both (the backward's states
+// pass: it may warm up only where the reverse chain does too, since the reverse chain's exact
+// path needs the transfer maps that only the states pass's exact path forms).
+enum : int { kWarmBefore = 1, kWarmAfter = 2 };
+// Whether (sequence, head) takes the warm-up path: every one of its np - 1 boundaries (one warp;
+// nch: the sequence's chunks).
+__device__ __forceinline__ bool warm_path(const RecParams& p, int ci0, int hv, PieceSplit sp, int nch, int lane) {
+  bool ok = p.warm_max > 0 && p.warm_rule != 0;
+  for (int j = 1 + lane; ok && j < sp.np; j += 32) {
+    if (p.warm_rule & kWarmBefore) ok = warm_chunks(p, ci0, hv, j * sp.len) > 0;
+    if (ok && (p.warm_rule & kWarmAfter)) ok = warm_chunks_after(p, ci0, hv, j * sp.len, nch) > 0;
+  }
   return __all_sync(0xffffffffu, ok);
 }
 
@@ -220,7 +247,7 @@ __device__ __forceinline__ bool scan_cta(const RecParams& p, int* s_warm, ScanCt
   if (sp.np > 1 && p.h0_copy) scan_copy_h0(p, n, sc.hv, sc.c0, p.pieces[rank] - rank);
   if (sp.np < 3) return false;
   if (threadIdx.x < 32) {
-    const bool w = warm_path(p, p.chunk_off[n], sc.hv, sp, threadIdx.x);
+    const bool w = warm_path(p, p.chunk_off[n], sc.hv, sp, static_cast<int>((slen + kC - 1) / kC), threadIdx.x);
     if (threadIdx.x == 0) *s_warm = w;
   }
   __syncthreads();
