@@ -76,7 +76,7 @@ def random_cut_lengths(total: int, n: int, seed: int = BWD_SEED) -> Tuple[int, .
 
 @dataclass(frozen=True)
 class Row:
-    kind: str                 # "fwd" or "bwd"
+    kind: str                 # "fwd", "bwd" or "step" (one training step: forward + backward)
     label: str                # head-config label
     h: int                    # q/k heads
     hv: int                   # value heads
@@ -105,12 +105,13 @@ def fwd_rows() -> List[Row]:
     return [Row("fwd", label, h, hv, lay) for (label, h, hv) in HEAD_CONFIGS for lay in FWD_LAYOUTS]
 
 
-def bwd_rows() -> List[Row]:
+def bwd_rows(kind: str = "bwd") -> List[Row]:
+    """The backward grid's rows; kind "step" gives the same rows as training steps."""
     rows = []
     for h, hv in BWD_HEADS:
         for total in BWD_TOTALS:
             for n in BWD_SPLITS:
-                rows.append(Row("bwd", f"{h}/{hv}", h, hv, random_cut_lengths(total, n)))
+                rows.append(Row(kind, f"{h}/{hv}", h, hv, random_cut_lengths(total, n)))
     return rows
 
 
@@ -224,6 +225,8 @@ assert FWD_FLOPS_PER_TOKEN_HEAD == 163_840 and BWD_FLOPS_PER_TOKEN_HEAD == 393_2
 
 
 def work_flops(kind: str, T: int, hv: int) -> float:
+    if kind == "step":  # a training step: the forward's work and the backward's
+        return work_flops("fwd", T, hv) + work_flops("bwd", T, hv)
     per = FWD_FLOPS_PER_TOKEN_HEAD if kind == "fwd" else BWD_FLOPS_PER_TOKEN_HEAD
     return float(T) * hv * per
 
@@ -232,7 +235,10 @@ def work_bytes(kind: str, T: int, N: int, h: int, hv: int) -> float:
     """Forward (gdn.md section 4): q, k 2*H*d bytes per token each; v, o 2*HV*d each;
     g, beta 4*HV each; per sequence the fp32 state in and out (4*HV*d^2 each).
     Backward (our extension of the same rule, not in gdn.md): reads q, k, v, do, g, beta,
-    h0, dht and writes dq, dk (H heads), dv, dg, dbeta, dh0 (no recomputed intermediates)."""
+    h0, dht and writes dq, dk (H heads), dv, dg, dbeta, dh0 (no recomputed intermediates).
+    A training step ("step"): both."""
+    if kind == "step":
+        return work_bytes("fwd", T, N, h, hv) + work_bytes("bwd", T, N, h, hv)
     if kind == "fwd":
         per_tok = 2 * (2 * h * D) + 2 * (2 * hv * D) + 2 * (4 * hv)
         per_seq = 2 * (4 * hv * D * D)
@@ -244,7 +250,10 @@ def work_bytes(kind: str, T: int, N: int, h: int, hv: int) -> float:
 
 def floor_ms(kind: str, T: int, N: int, h: int, hv: int, peak_tflops: float, peak_tbs: float) -> float:
     """max(FLOPs / peak bf16, bytes / peak bandwidth) in milliseconds; ceilings in
-    TFLOP/s and TB/s (10^12)."""
+    TFLOP/s and TB/s (10^12). A training step's floor is the sum of its two."""
+    if kind == "step":
+        return (floor_ms("fwd", T, N, h, hv, peak_tflops, peak_tbs) +
+                floor_ms("bwd", T, N, h, hv, peak_tflops, peak_tbs))
     t_flops = work_flops(kind, T, hv) / (peak_tflops * 1e12)
     t_bytes = work_bytes(kind, T, N, h, hv) / (peak_tbs * 1e12)
     return 1e3 * max(t_flops, t_bytes)

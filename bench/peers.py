@@ -331,6 +331,66 @@ def flashqla_backward(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_c
 
 
 # --------------------------------------------------------------------------------------
+# Training step: each backend's autograd forward, then torch.autograd.grad of (o, final
+# state) given (do, dht), as a training framework runs it (what the forward saves for the
+# backward included)
+# --------------------------------------------------------------------------------------
+
+def _step_op(forward, q, k, v, g, beta, h0, do, dht, note: str) -> Op:
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+
+    def fn():
+        o, ht = forward(*leaves)
+        return torch.autograd.grad((o, ht), leaves, (do, dht))  # dq, dk, dv, dg, dbeta, dh0
+
+    return Op(fn, lambda out: tuple(out), note)
+
+
+def qla_step(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=None, scale=None) -> Optional[Op]:
+    qla = _import_qla()
+    if qla is None:
+        return None
+    kwargs = {}
+    if cu_seqlens_cpu is not None and _accepts(qla.chunk_gated_delta_rule, "cu_seqlens_cpu"):
+        kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+
+    def forward(q_, k_, v_, g_, b_, h0_):
+        return qla.chunk_gated_delta_rule(q_, k_, v_, g_, b_, scale=scale, initial_state=h0_,
+                                          output_final_state=True, cu_seqlens=cu_seqlens, **kwargs)
+
+    return _step_op(forward, q, k, v, g, beta, h0, do, dht, "qla.chunk_gated_delta_rule + autograd.grad")
+
+
+def fla_step(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=None, scale=None) -> Optional[Op]:
+    mod = _import_fla()
+    if mod is None:
+        return None
+    lift_fla_hopper_guard()
+    cu64 = _long(cu_seqlens)
+    ci = _fla_chunk_indices(cu64, cu_seqlens_cpu)
+
+    def forward(q_, k_, v_, g_, b_, h0_):
+        return mod.chunk_gated_delta_rule(q_, k_, v_, g_, b_, scale=scale, initial_state=h0_,
+                                          output_final_state=True, cu_seqlens=cu64, chunk_indices=ci)
+
+    return _step_op(forward, q, k, v, g, beta, h0, do, dht, "fla chunk_gated_delta_rule + autograd.grad (guard lifted)")
+
+
+def flashqla_step(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=None, scale=None) -> Optional[Op]:
+    fq = _import_flashqla()
+    if fq is None:
+        return None
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return _skip("flashqla", "needs K = V = 128")
+
+    def forward(q_, k_, v_, g_, b_, h0_):
+        return fq.chunk_gated_delta_rule(q_, k_, v_, g_, b_, scale=scale, initial_state=h0_,
+                                         output_final_state=True, cu_seqlens=cu_seqlens)
+
+    return _step_op(forward, q, k, v, g, beta, h0, do, dht, "flash_qla.chunk_gated_delta_rule + autograd.grad")
+
+
+# --------------------------------------------------------------------------------------
 # FlashInfer (forward only)
 # --------------------------------------------------------------------------------------
 
@@ -409,17 +469,22 @@ BWD_FACTORIES: Dict[str, Callable[..., Optional[Op]]] = {
     "fla": fla_backward,
     "flashqla": flashqla_backward,
 }
+STEP_FACTORIES: Dict[str, Callable[..., Optional[Op]]] = {
+    "qla": qla_step,
+    "fla": fla_step,
+    "flashqla": flashqla_step,
+}
 
 
 def make_op(backend: str, kind: str, inp, **kw) -> Optional[Op]:
-    """Build backend `backend`'s op of kind "fwd" / "bwd" on a grid.Inputs."""
+    """Build backend `backend`'s op of kind "fwd" / "bwd" / "step" on a grid.Inputs."""
     args = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, inp.cu_seqlens)
     if kind == "fwd":
         factory = FWD_FACTORIES.get(backend)
         if factory is None:
             return None
         return factory(*args, cu_seqlens_cpu=inp.cu_seqlens_cpu, **kw)
-    factory = BWD_FACTORIES.get(backend)
+    factory = (STEP_FACTORIES if kind == "step" else BWD_FACTORIES).get(backend)
     if factory is None:
         return None
     return factory(*args, inp.do, inp.dht, cu_seqlens_cpu=inp.cu_seqlens_cpu, **kw)

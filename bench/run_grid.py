@@ -49,6 +49,8 @@ def select_rows(args) -> List[grid.Row]:
         rows += grid.fwd_rows()
     if args.kind in ("bwd", "both"):
         rows += grid.bwd_rows()
+    if args.kind == "step":
+        rows += grid.bwd_rows("step")
     if args.heads:
         keys = [h.strip() for h in args.heads.split(",") if h.strip()]
         rows = [r for r in rows if any(k == r.label or k == f"{r.h}/{r.hv}" or k in r.label for k in keys)]
@@ -90,7 +92,7 @@ def gpu_facts() -> Dict[str, str]:
 # --------------------------------------------------------------------------------------
 
 def run_row(row: grid.Row, backends: List[str], args, peers) -> Dict:
-    with_grads = row.kind == "bwd"
+    with_grads = row.kind in ("bwd", "step")
     set_bytes = grid.estimate_set_bytes(row.lengths, row.h, row.hv, with_grads)
     n_sets = 1 if args.no_rotate else grid.n_rotating_sets(set_bytes)
     sets = []
@@ -228,7 +230,7 @@ def markdown(meta: Dict, results: List[Dict]) -> str:
         lines.append(f"- {n}")
     lines.append("")
 
-    for kind, title in (("fwd", "Forward"), ("bwd", "Backward")):
+    for kind, title in (("fwd", "Forward"), ("bwd", "Backward"), ("step", "Training step (forward + backward)")):
         rows = [r for r in results if r["kind"] == kind]
         if not rows:
             continue
@@ -333,7 +335,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", help="raw results (JSON) to write; shards can be --merge'd")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge shard JSONs into --out / --json (no GPU)")
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit (no GPU)")
-    ap.add_argument("--kind", choices=["fwd", "bwd", "both"], default="both")
+    ap.add_argument("--kind", choices=["fwd", "bwd", "both", "step"], default="both",
+                    help="step: the backward grid's rows as training steps (autograd forward + backward)")
     ap.add_argument("--backends", default="qla,fla,flashqla,flashinfer",
                     help="comma list among qla, fla, flashqla, flashinfer (flashinfer is forward only)")
     ap.add_argument("--heads", help="comma list of head configs: label ('27B TP1'), substring, or 'h/hv'")
@@ -413,7 +416,8 @@ def main(argv=None) -> int:
                    f"CUDA events around each launch, median of the timed launches after the first call "
                    f"(JIT/autotune) and {args.warmup} warm-up rounds; input sets rotated when one set is "
                    f"< 60 MB (x2 L2 in total); forward under no_grad with initial state "
-                   f"and final state; backward: {args.bwd_mode} (FLA guard of issue 640 lifted)"),
+                   f"and final state; backward: {args.bwd_mode} (FLA guard of issue 640 lifted); training step: "
+                   f"forward with autograd and torch.autograd.grad of (o, final state) given (do, dht)"),
         "inputs": (f"q, k l2-normalised randn bf16; v randn bf16; g = logsigmoid(randn)/16 fp32 with g = 0 "
                    f"on 25% of value heads (gate={args.gate}); beta = sigmoid(randn) fp32; h0 randn fp32; "
                    f"do randn; dht randn/8; cu_seqlens {args.cu_dtype}"),
@@ -438,7 +442,7 @@ def main(argv=None) -> int:
         print(f"[peers] {why}")
     write_outputs(args, meta, results)
 
-    for kind in ("fwd", "bwd"):
+    for kind in ("fwd", "bwd", "step"):
         rs = [r for r in results if r["kind"] == kind]
         for p in PEER_ORDER:
             xs = [r["ratio"][p] for r in rs if p in r["ratio"]]

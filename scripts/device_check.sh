@@ -2,7 +2,7 @@
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
-#                                [grid-bwd] [grid-bwd-par] [ab] [fi-wait] [wheel] [cold-peers]
+#                                [grid-bwd] [grid-bwd-par] [grid-step] [ab] [fi-wait] [wheel] [cold-peers]
 #                                [warm-peers] [warm-wait] [split-check] [scan-ab] [stalls]
 #                                [pytest-gdb]
 #   (default: tests memcheck bench grid)
@@ -94,11 +94,14 @@ snap
 if want warm-peers; then
   echo "== peers' JIT caches: one background process per head configuration"
   mkdir -p /tmp/qla_warm
-  for hh in ${WARM_HEADS:-2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32}; do
-    tag=${hh/\//_}
-    setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "${WARM_KIND:-fwd}" --heads "$hh" \
-      --backends "${WARM_BACKENDS:-fla,flashqla}" --no-graph --warmup 0 --iters 1 --target-ms 1 \
-      --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+  # WARM_KIND: one or more of fwd, bwd, step (a process per kind and head configuration)
+  for kk in ${WARM_KIND:-fwd}; do
+    for hh in ${WARM_HEADS:-2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32}; do
+      tag=${kk}_${hh/\//_}
+      setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "$kk" --heads "$hh" \
+        --backends "${WARM_BACKENDS:-fla,flashqla}" --no-graph --warmup 0 --iters 1 --target-ms 1 \
+        --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+    done
   done
   sleep 2
   echo "warm-up processes running: $(pgrep -fc 'run_grid.py.*/tmp/qla_warm/' || true)"
@@ -121,7 +124,7 @@ if want cold-peers; then
 fi
 snap
 # The build serves every other stage.
-build_stages=" tests pytest-gdb bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par ab "
+build_stages=" tests pytest-gdb bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par grid-step ab "
 need_build=0
 for st in $stages; do [[ $build_stages == *" $st "* ]] && need_build=1; done
 # Stages that run binaries built on the development machine (split-check) need no build.
@@ -336,6 +339,12 @@ if want grid-bwd; then
   echo "== backward grid"
   python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
     | tee "$LOGS/grid_bwd.log" | tail -25
+fi
+snap
+if want grid-step; then
+  echo "== training-step grid (the backward grid's rows, autograd forward + backward)"
+  python3 bench/run_grid.py --kind step ${GRID_ARGS:-} --json "$OUT/grid_step.json" --out "$OUT/grid_step.md" 2>&1 \
+    | tee "$LOGS/grid_step.log" | tail -25
 fi
 snap
 if [[ -n $fi_pid ]] && want fi-wait; then

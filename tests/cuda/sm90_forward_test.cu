@@ -1344,7 +1344,8 @@ static void bench_grads(const Case& c, cudaStream_t stream, bool profile = false
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
   auto states = [&] { (void)qla::sm90::test_run_states_pass(D.p, frags, tm); };
-  auto rev = [&] { (void)qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, 64, frags); };
+  const int rev_vt = std::getenv("QLA_TEST_REVERSE_VT128") ? 128 : 64;  // the reverse chain's V tile
+  auto rev = [&] { (void)qla::sm90::test_run_reverse_chain(D.p, D.p.v, D.p.initial_state, dh0, rev_vt, frags); };
   auto grads = [&] {
     (void)qla::sm90::test_run_chunk_grads(D.p, D.p.v, frags, tm, mref(dq, P.c.qdt, c.H, K), mref(dk, P.c.qdt, c.H, K),
                                           mref(dv, P.c.qdt, c.HV, V), mref(dg, DType::kFloat32, c.HV, 1),
