@@ -268,12 +268,13 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
 // Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu,
 // docs/backward.md section 10) where it is measured faster than the chunked one below, calls of
-// at most kFusedBwdMaxPairs (sequence, value head) pairs (bwd-24 in docs/design.md: 2/4 and 4/8
-// at 1x8192 and 1x32768, 1.2-2x on the H100; at 16 pairs it is ahead at 1x32768, behind at
-// 1x8192), and whenever the caller asks for pieces (split = kOn: only it splits) or for batch
+// at most kFusedBwdMaxPairs (sequence, value head) pairs (bwd-26 in docs/design.md, both on the
+// 32-row grid, H100: at 4 and 8 pairs 0.99-1.04 of the chunked time, at 16 pairs 0.86-0.93 on
+// five rows of six and 1.02 on 8/16 1x8192; from 32 pairs 1.01-1.34 slower, the gradients
+// kernel), and whenever the caller asks for pieces (split = kOn: only it splits) or for batch
 // invariance (a choice by the call's pair count would let the rest of the batch pick the path).
 // The chunked backward elsewhere, until the fused one is faster everywhere.
-constexpr int64_t kFusedBwdMaxPairs = 8;
+constexpr int64_t kFusedBwdMaxPairs = 16;
 bool fused_backward_chosen(const GdnBackwardParams& p) {
   return p.split == SplitMode::kOn || p.batch_invariant || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
 }

@@ -236,7 +236,7 @@ def test_fused_backward_split_into_pieces_accuracy(gate):
 
 
 def test_fused_backward_unsplit_varlen_gva_state_v_first():
-    # 8 pairs (the dispatch's fused backward), whole sequences, ragged and zero-length.
+    # 8 pairs (under the dispatch's line of 16: the fused backward), whole sequences, ragged and zero-length.
     x = _inputs([0, 1, 65, 263], 1, 2, "mild", seed=53)
     got, ref = _grads(x, *_upstream(x, 54), state_v_first=True, split=False)
     for n in NAMES:
