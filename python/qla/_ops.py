@@ -261,6 +261,14 @@ def gdn_bwd(
     """The backward (split_mode, split_chunks, batch_invariant: the CUDA backward's splitting
     and batch invariance, as the forward's; SPLIT_ON or batch_invariant also make it take the
     fused backward, which splits)."""
+    return backward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode,
+                         split_chunks, batch_invariant)
+
+
+def backward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode=SPLIT_AUTO,
+                  split_chunks=0, batch_invariant=False):
+    """gdn_bwd's body: the eager low-level API calls it directly (no dispatcher round trip, as
+    forward_impl for the forward); torch.compile goes through the op."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _num_seqs(q, cu_seqlens)

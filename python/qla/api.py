@@ -343,9 +343,9 @@ def chunk_gated_delta_rule_bwd(
         dh0 = dht.to(sdt, copy=True) if dht is not None else q.new_zeros(state_shape, dtype=sdt)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0)
-    return _ops.gdn_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
-                        None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks,
-                        batch_invariant)
+    bwd = _ops.gdn_bwd if torch.compiler.is_compiling() else _ops.backward_impl  # (the op only where traced)
+    return bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
+               None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks, batch_invariant)
 
 
 def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,
