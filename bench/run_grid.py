@@ -307,6 +307,24 @@ def write_outputs(args, meta: Dict, results: List[Dict]) -> None:
             f.write(markdown(meta, results))
 
 
+def merge_rows(results: List[Dict]) -> List[Dict]:
+    """Rows of the same name from several files (each backend timed by its own process, one after
+    another on the same GPU: peers that crash when loaded beside each other) become one row:
+    the backends' times side by side, the ratios taken again, the first file's floor."""
+    by: Dict[str, Dict] = {}
+    for r in results:
+        m = by.setdefault(r["row"], r)
+        if m is r:
+            continue
+        for field in ("ms", "eager_ms", "iters", "err", "graph_err", "notes", "check"):
+            m.setdefault(field, {}).update(r.get(field, {}))
+    for m in by.values():
+        q = m["ms"].get("qla")
+        m["ratio"] = {p: m["ms"][p] / q for p in PEER_ORDER if q and p in m["ms"]}
+        m["qla_x_floor"] = q / m["floor_ms"] if q and m.get("floor_ms") else None
+    return list(by.values())
+
+
 def merge(args) -> int:
     metas, results = [], []
     for path in args.merge:
@@ -314,7 +332,12 @@ def merge(args) -> int:
             d = json.load(f)
         metas.append(d["meta"])
         results += d["results"]
+    n_in = len(results)
+    results = merge_rows(results)
     meta = dict(metas[0])
+    if len(results) < n_in:
+        meta.setdefault("notes", []).append(
+            "backends timed in separate processes, one after another on the same GPU, then merged by row")
     meta["commands"] = [c for m in metas for c in m.get("commands", [])]
     if len({json.dumps(m.get("ceilings")) for m in metas}) > 1:
         meta.setdefault("notes", []).append(

@@ -2,7 +2,7 @@
 # One device call: build on the GPU machine, run the GPU tests, the memory checker and the
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
-#                                [grid-bwd] [grid-bwd-par] [grid-step] [ab] [fi-wait] [wheel] [cold-peers]
+#                                [grid-bwd] [grid-bwd-par] [grid-step] [grid-iso] [ab] [fi-wait] [wheel] [cold-peers]
 #                                [warm-peers] [warm-wait] [split-check] [scan-ab] [stalls]
 #                                [pytest-gdb]
 #   (default: tests memcheck bench grid)
@@ -12,10 +12,12 @@
 #   run against it. No build on the device for this stage alone.
 # cold-peers: FlashQLA's and FlashInfer's first call from empty JIT caches (carry ".whl").
 # warm-peers: fill the peers' JIT caches (FLA's Triton, FlashQLA's TileLang; carry ".whl") with
-#   one background process per head configuration, started with setsid so that they outlive
-#   the call (logs in /tmp/qla_warm); the machine stays warm only 30 s after a call, so follow
-#   at once with a call running `warm-wait` (waits up to WARM_WAIT_S, default 540 s), then the
-#   grid: GRID_ARGS="--backends qla,fla,flashqla" bash scripts/device_check.sh grid.
+#   one background process per kind, head configuration and peer, started with setsid so that
+#   they outlive the call (logs in /tmp/qla_warm); the machine stays warm only 30 s after a call,
+#   so follow at once with a call running `warm-wait` (waits up to WARM_WAIT_S, default 540 s)
+#   that does NOT carry .whl (carrying it reinstalls /tmp/site under the running processes: they
+#   crash), then the grid: GRID_ARGS="--backends qla,fla,flashqla" bash scripts/device_check.sh grid,
+#   or with each backend in its own process: GRID_KIND=bwd bash scripts/device_check.sh grid-iso.
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
 # only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
@@ -94,13 +96,16 @@ snap
 if want warm-peers; then
   echo "== peers' JIT caches: one background process per head configuration"
   mkdir -p /tmp/qla_warm
-  # WARM_KIND: one or more of fwd, bwd, step (a process per kind and head configuration)
+  # WARM_KIND: one or more of fwd, bwd, step; a process per kind, head configuration and peer
+  # (FLA's backward and FlashQLA in one process segfaulted at an import on 2026-12-06).
   for kk in ${WARM_KIND:-fwd}; do
     for hh in ${WARM_HEADS:-2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32}; do
-      tag=${kk}_${hh/\//_}
-      setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "$kk" --heads "$hh" \
-        --backends "${WARM_BACKENDS:-fla,flashqla}" --no-graph --warmup 0 --iters 1 --target-ms 1 \
-        --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+      for bk in ${WARM_BACKENDS:-fla flashqla}; do
+        tag=${kk}_${bk}_${hh/\//_}
+        setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "$kk" --heads "$hh" \
+          --backends "$bk" --no-graph --warmup 0 --iters 1 --target-ms 1 \
+          --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+      done
     done
   done
   sleep 2
@@ -124,7 +129,7 @@ if want cold-peers; then
 fi
 snap
 # The build serves every other stage.
-build_stages=" tests pytest-gdb bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par grid-step ab "
+build_stages=" tests pytest-gdb bwd memcheck bench profile grid grid-par grid-bwd grid-bwd-par grid-step grid-iso ab "
 need_build=0
 for st in $stages; do [[ $build_stages == *" $st "* ]] && need_build=1; done
 # Stages that run binaries built on the development machine (split-check) need no build.
@@ -339,6 +344,23 @@ if want grid-bwd; then
   echo "== backward grid"
   python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
     | tee "$LOGS/grid_bwd.log" | tail -25
+fi
+snap
+if want grid-iso; then
+  # The grid of GRID_KIND (fwd, bwd or step) with each backend in its own process, one after
+  # another (GRID_BACKENDS, default qla fla flashqla), merged by row: peers that crash beside
+  # each other still land in one table. GRID_ARGS selects rows as for grid-bwd.
+  kind=${GRID_KIND:-bwd}
+  echo "== $kind grid, one process per backend"
+  parts=()
+  for bk in ${GRID_BACKENDS:-qla fla flashqla}; do
+    python3 bench/run_grid.py --kind "$kind" --backends "$bk" ${GRID_ARGS:-} --json "$LOGS/iso_${kind}_$bk.json" \
+      > "$LOGS/iso_${kind}_$bk.log" 2>&1
+    echo "$bk: rc=$? $(grep -c '^\(fwd\|bwd\|step\) ' "$LOGS/iso_${kind}_$bk.log") rows"
+    [[ -f $LOGS/iso_${kind}_$bk.json ]] && parts+=("$LOGS/iso_${kind}_$bk.json")
+  done
+  python3 bench/run_grid.py --merge "${parts[@]}" --json "$OUT/grid_${kind}.json" --out "$OUT/grid_${kind}.md" | tail -1
+  grep -E "geomean|/ qla" "$OUT/grid_${kind}.md" | head -8
 fi
 snap
 if want grid-step; then
