@@ -150,13 +150,16 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
+def _host_lengths(fn, cu_seqlens_cpu) -> dict:
+    """cu_seqlens_cpu as a keyword for `fn` where given and accepted (older QLA builds lack it)."""
+    return {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None and _accepts(fn, "cu_seqlens_cpu") else {}
+
+
 def qla_forward(q, k, v, g, beta, h0, cu_seqlens, *, cu_seqlens_cpu=None, scale=None) -> Optional[Op]:
     qla = _import_qla()
     if qla is None:
         return None
-    kwargs = {}
-    if cu_seqlens_cpu is not None and _accepts(qla.chunk_gated_delta_rule, "cu_seqlens_cpu"):
-        kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    kwargs = _host_lengths(qla.chunk_gated_delta_rule, cu_seqlens_cpu)
 
     def fn():
         with torch.no_grad():
@@ -173,9 +176,7 @@ def qla_backward(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=No
     bwd = getattr(qla, "chunk_gated_delta_rule_bwd", None)
     if bwd is None:
         return _skip("qla-bwd", "qla.chunk_gated_delta_rule_bwd missing")
-    kwargs = {}
-    if cu_seqlens_cpu is not None and _accepts(bwd, "cu_seqlens_cpu"):
-        kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    kwargs = _host_lengths(bwd, cu_seqlens_cpu)
     # QLA_BENCH_BWD_SPLIT=1: the fused backward on every row (split=True), to place the
     # dispatch's threshold between it and the chunked backward.
     if os.environ.get("QLA_BENCH_BWD_SPLIT") == "1" and _accepts(bwd, "split"):
@@ -350,9 +351,7 @@ def qla_step(q, k, v, g, beta, h0, cu_seqlens, do, dht, *, cu_seqlens_cpu=None, 
     qla = _import_qla()
     if qla is None:
         return None
-    kwargs = {}
-    if cu_seqlens_cpu is not None and _accepts(qla.chunk_gated_delta_rule, "cu_seqlens_cpu"):
-        kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    kwargs = _host_lengths(qla.chunk_gated_delta_rule, cu_seqlens_cpu)
 
     def forward(q_, k_, v_, g_, b_, h0_):
         return qla.chunk_gated_delta_rule(q_, k_, v_, g_, b_, scale=scale, initial_state=h0_,

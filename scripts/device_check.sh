@@ -340,11 +340,15 @@ if want stalls; then
 fi
 snap
 
-if want grid-bwd; then
-  echo "== backward grid"
-  python3 bench/run_grid.py --kind bwd ${GRID_ARGS:-} --json "$OUT/grid_bwd.json" --out "$OUT/grid_bwd.md" 2>&1 \
-    | tee "$LOGS/grid_bwd.log" | tail -25
-fi
+# grid-bwd, grid-step: the backward grid, and its rows as training steps (autograd forward +
+# backward), all backends in one process.
+for kind in bwd step; do
+  if want grid-$kind; then
+    echo "== $kind grid"
+    python3 bench/run_grid.py --kind $kind ${GRID_ARGS:-} --json "$OUT/grid_$kind.json" --out "$OUT/grid_$kind.md" 2>&1 \
+      | tee "$LOGS/grid_$kind.log" | tail -25
+  fi
+done
 snap
 if want grid-iso; then
   # The grid of GRID_KIND (fwd, bwd or step) with each backend in its own process, one after
@@ -361,12 +365,6 @@ if want grid-iso; then
   done
   python3 bench/run_grid.py --merge "${parts[@]}" --json "$OUT/grid_${kind}.json" --out "$OUT/grid_${kind}.md" | tail -1
   grep -E "geomean|/ qla" "$OUT/grid_${kind}.md" | head -8
-fi
-snap
-if want grid-step; then
-  echo "== training-step grid (the backward grid's rows, autograd forward + backward)"
-  python3 bench/run_grid.py --kind step ${GRID_ARGS:-} --json "$OUT/grid_step.json" --out "$OUT/grid_step.md" 2>&1 \
-    | tee "$LOGS/grid_step.log" | tail -25
 fi
 snap
 if [[ -n $fi_pid ]] && want fi-wait; then

@@ -811,24 +811,31 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
 // Test builds only: the backward's states pass (StatesPass) as the library will run it: the
 // forward's plan (split where the forward splits; the fused kernels where the forward would take
 // the two-pass one), its workspace layout in p.workspace.
+// What the backward's test hooks below share: the device, the kernels' attributes, the
+// backward's plan and layout (checked against p.workspace) and its tensor maps (d_o's from d_o).
+template <class T>
+Status test_backward_setup(const GdnForwardParams& p, const TensorRef& d_o, const char* what, DeviceInfo*& dinfo,
+                           BwdLayout& bl, BwdMaps& maps) {
+  Status s = device_info(&dinfo);
+  if (s.ok()) s = prepare_kernels<T>(dinfo);
+  if (!s.ok()) return s;
+  bl = bwd_layout(p, dinfo->sms);
+  s = check_workspace(what, p.workspace, p.workspace_bytes, bl.fwd.total);
+  return s.ok() ? make_bwd_maps(p, d_o, maps) : s;
+}
+
 template <class T>
 Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   if (num_seqs(p) == 0) return Status::Ok();
   DeviceInfo* dinfo = nullptr;
-  Status s = device_info(&dinfo);
-  if (s.ok()) s = prepare_kernels<T>(dinfo);
-  if (!s.ok()) return s;
-  const BwdLayout bl = bwd_layout(p, dinfo->sms);
-  s = check_workspace("sm90 states pass (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
-  if (!s.ok()) return s;
-  CUtensorMap tmq, tmk;
-  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
+  BwdLayout bl;
+  BwdMaps maps;
+  Status s = test_backward_setup<T>(p, p.v, "sm90 states pass (test)", dinfo, bl, maps);  // (no dO here)
   if (!s.ok()) return s;
   StatesPass sp;
   sp.frags = grad_frags;
   sp.tm = tm;
-  return launch_fused<T>(p, bl.sc, bl.fwd, tmq, tmk, seq_desc(p), dinfo->sms, &sp);
+  return launch_fused<T>(p, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v);
 }
 
 // Test builds only: the reverse chain as the library runs it (launch_reverse_chain, V tile 64
@@ -841,29 +848,22 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
   using Cfg = RevCfg<kMathWGs>;
   if (num_seqs(p) == 0) return Status::Ok();
   DeviceInfo* dinfo = nullptr;
-  Status s = device_info(&dinfo);
-  if (s.ok()) s = prepare_kernels<T>(dinfo);
-  if (!s.ok()) return s;
-  const BwdLayout bl = bwd_layout(p, dinfo->sms);
-  s = check_workspace("sm90 reverse chain (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
-  if (!s.ok()) return s;
-  CUtensorMap tmq, tmk, tmdo;
-  s = make_tile_map(&tmq, p.q, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmk, p.k, p.shape.num_qk_heads, p.shape);
-  if (s.ok()) s = make_tile_map(&tmdo, d_o, p.shape.num_v_heads, p.shape);
+  BwdLayout bl;
+  BwdMaps maps;
+  Status s = test_backward_setup<T>(p, d_o, "sm90 reverse chain (test)", dinfo, bl, maps);
   if (!s.ok()) return s;
   if (!g_test_reverse_maps_ready) {
     GdnForwardParams fp = p;
     fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
     StatesPass sp;
-    s = bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, tmq, tmk, seq_desc(p), dinfo->sms, &sp)
+    s = bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v)
                          : launch_inverse_alone<T>(p, static_cast<uint8_t*>(p.workspace) + bl.fwd.regions);
     if (!s.ok()) return s;
   }
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  return launch_reverse_chain<T, kMathWGs>(p, bl.sc, bl.fwd, tmq, tmk, tmdo, dht, dh0, grad_frags);
+  return launch_reverse_chain<T, kMathWGs>(p, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, dht, dh0, grad_frags);
 }
 
 // Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
@@ -874,14 +874,9 @@ Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const
                           const MutTensorRef& dbeta) {
   if (num_seqs(p) == 0) return Status::Ok();
   DeviceInfo* dinfo = nullptr;
-  Status s = device_info(&dinfo);
-  if (s.ok()) s = prepare_kernels<T>(dinfo);
-  if (!s.ok()) return s;
-  const BwdLayout bl = bwd_layout(p, dinfo->sms);
-  s = check_workspace("sm90 gradients (test)", p.workspace, p.workspace_bytes, bl.fwd.total);
-  if (!s.ok()) return s;
+  BwdLayout bl;
   BwdMaps maps;
-  s = make_bwd_maps(p, d_o, maps);
+  Status s = test_backward_setup<T>(p, d_o, "sm90 gradients (test)", dinfo, bl, maps);
   if (!s.ok()) return s;
   return launch_chunk_grads<T>(p, bl.fwd, maps, frags, tm, dq, dk, dv, dg, dbeta);
 }
