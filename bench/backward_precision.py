@@ -161,6 +161,8 @@ def main():
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--HV", type=int, default=2)
     ap.add_argument("--only-f16", action="store_true", help="the fp16 configurations (and fp32, fwd) only")
+    ap.add_argument("--local-bf16", action="store_true",
+                    help="fp16 everywhere but the gradients kernel's chunk-local operands, which go bf16 (no units)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     scale = 128 ** -0.5
@@ -185,6 +187,15 @@ def main():
     configs += [(f"all f16, {n} h", {**all16, n: "h"}) for n in ("P", "dOg", "bK", "Uv")]
     if args.only_f16:
         configs = [c for c in configs if "f16" in c[0] or c[0] in ("fp32", "fwd")]
+    if args.local_bf16:
+        # The chunk-local operands that the gradients kernel forms itself and today carries in
+        # fp16 with a unit from a CTA max reduction each: as bf16 they need no unit at all.
+        local = ["dA", "dW", "dVb", "dKb", "Uv", "dM"]
+        configs = [("all f16", all16), (f"all f16, {'/'.join(local)} h", {**all16, **{n: "h" for n in local}}),
+                   (f"all f16, {'/'.join(local[1:])} h", {**all16, **{n: "h" for n in local[1:]}})]
+        configs += [(f"all f16, {n} h", {**all16, n: "h"}) for n in local]
+        configs += [(f"all f16, {'/'.join(local)}/U h", {**all16, **{n: "h" for n in local + ['U']}}),
+                    (f"all f16, {'/'.join(local)}/P h", {**all16, **{n: "h" for n in local + ['P']}})]
     print(f"T={args.T} HV={args.HV} K=V=128, worst relative L2 over gates benchmark/strong/zero")
     print(f"{'config':<14}" + "".join(f"{n:>10}" for n in names) + "   worst case")
     for label, mode in configs:

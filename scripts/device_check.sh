@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [grid-step] [grid-iso] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [warm-wait] [split-check] [scan-ab] [stalls]
+#                                [warm-peers] [split-check] [scan-ab] [stalls]
 #                                [pytest-gdb]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
@@ -12,12 +12,14 @@
 #   run against it. No build on the device for this stage alone.
 # cold-peers: FlashQLA's and FlashInfer's first call from empty JIT caches (carry ".whl").
 # warm-peers: fill the peers' JIT caches (FLA's Triton, FlashQLA's TileLang; carry ".whl") with
-#   one background process per kind, head configuration and peer, started with setsid so that
-#   they outlive the call (logs in /tmp/qla_warm); the machine stays warm only 30 s after a call,
-#   so follow at once with a call running `warm-wait` (waits up to WARM_WAIT_S, default 540 s)
-#   that does NOT carry .whl (carrying it reinstalls /tmp/site under the running processes: they
-#   crash), then the grid: GRID_ARGS="--backends qla,fla,flashqla" bash scripts/device_check.sh grid,
-#   or with each backend in its own process: GRID_KIND=bwd bash scripts/device_check.sh grid-iso.
+#   one process per kind, head configuration and peer, waited for in the same call (up to
+#   WARM_WAIT_S, default 540 s; logs in /tmp/qla_warm). WARM_KIND (default fwd): for the backward
+#   and training-step grids warm `bwd`, whose backward runs on the calling thread. Compiling
+#   from autograd's worker thread (the `step` kind) crashed on 2026-12-06 (FLA: a segfault in
+#   dlopen; FlashQLA: the process gone mid-compile, no message), and in a second attempt the
+#   processes left running past the call (setsid) were gone, silently, by the next call; waited
+#   for inside one call, 8 processes (4 head configurations x 2 peers) took 97 s. The caches then
+#   serve every kind: GRID_KIND=bwd bash scripts/device_check.sh grid-iso, then GRID_KIND=step.
 # Wheels for packages the device lacks (nvidia-cutlass, the peers) travel in .whl/
 # (scripts/fetch_peer_wheels.sh); pass `carry: [".whl"]` to the device call. They are importable
 # only inside this script (PYTHONPATH=/tmp/site below): time a peer subset through a stage, e.g.
@@ -94,27 +96,23 @@ if want wheel; then
 fi
 snap
 if want warm-peers; then
-  echo "== peers' JIT caches: one background process per head configuration"
+  echo "== peers' JIT caches: one process per kind, head configuration and peer"
   mkdir -p /tmp/qla_warm
-  # WARM_KIND: one or more of fwd, bwd, step; a process per kind, head configuration and peer
-  # (FLA's backward and FlashQLA in one process segfaulted at an import on 2026-12-06).
+  # (FLA's backward and FlashQLA in one process segfaulted at an import on 2026-12-06.)
+  pids=()
   for kk in ${WARM_KIND:-fwd}; do
     for hh in ${WARM_HEADS:-2/8 4/16 8/32 16/64 16/32 8/24 16/48 16/16 32/32}; do
       for bk in ${WARM_BACKENDS:-fla flashqla}; do
         tag=${kk}_${bk}_${hh/\//_}
-        setsid nohup timeout "${WARM_TIMEOUT_S:-1500}" python3 bench/run_grid.py --kind "$kk" --heads "$hh" \
+        timeout "${WARM_WAIT_S:-540}" python3 bench/run_grid.py --kind "$kk" --heads "$hh" \
           --backends "$bk" --no-graph --warmup 0 --iters 1 --target-ms 1 \
           --json "/tmp/qla_warm/$tag.json" > "/tmp/qla_warm/$tag.log" 2>&1 < /dev/null &
+        pids+=($!)
       done
     done
   done
-  sleep 2
-  echo "warm-up processes running: $(pgrep -fc 'run_grid.py.*/tmp/qla_warm/' || true)"
-fi
-if want warm-wait; then
   t0=$(date +%s)
-  while pgrep -f 'run_grid.py.*/tmp/qla_warm/' > /dev/null && (( $(date +%s) - t0 < ${WARM_WAIT_S:-540} )); do sleep 5; done
-  echo "warm-up processes still running after $(( $(date +%s) - t0 )) s: $(pgrep -fc 'run_grid.py.*/tmp/qla_warm/' || true)"
+  for p in "${pids[@]}"; do wait "$p"; echo "warm-up process $p: rc=$? at $(( $(date +%s) - t0 )) s"; done
   tail -n 2 /tmp/qla_warm/*.log
 fi
 snap
