@@ -170,10 +170,12 @@ NB_MODULE(_C, m) {
       [](const Shape& shape, const Desc& q, const Desc& k, const Desc& v, const Desc& g, const Desc& beta,
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
          const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
-         int device, int split, int split_chunks, bool batch_invariant) {
-        // The splitting options choose the CUDA backward's path and pieces, and so its workspace.
+         int device, int split, int split_chunks, bool batch_invariant, uintptr_t cu_host) {
+        // The splitting options choose the CUDA backward's path and pieces, and so its workspace,
+        // and so do the host lengths (cu_host, as the forward's), which its plan reads.
         auto p = backward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                                  scale, layout, device, 0, 0, 0);
+        p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.split = static_cast<qla::SplitMode>(split);
         p.split_chunks = split_chunks;
         p.batch_invariant = batch_invariant;
@@ -188,9 +190,10 @@ NB_MODULE(_C, m) {
          const Desc& h0, const Desc& cu, int64_t num_seqs, const Desc& d_o, const Desc& dht, const Desc& dq,
          const Desc& dk, const Desc& dv, const Desc& dg, const Desc& dbeta, const Desc& dh0, double scale, int layout,
          int device, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, int num_threads, int split,
-         int split_chunks, bool batch_invariant) {
+         int split_chunks, bool batch_invariant, uintptr_t cu_host) {
         auto p = backward_params(shape, q, k, v, g, beta, h0, cu, num_seqs, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                                  scale, layout, device, stream, workspace, workspace_bytes);
+        p.cu_seqlens_host = reinterpret_cast<const int64_t*>(cu_host);
         p.num_threads = num_threads;
         p.split = static_cast<qla::SplitMode>(split);  // SplitMode: 0 auto, 1 off, 2 on
         p.split_chunks = split_chunks;

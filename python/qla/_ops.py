@@ -257,18 +257,21 @@ def gdn_bwd(
     split_mode: int = SPLIT_AUTO,
     split_chunks: int = 0,
     batch_invariant: bool = False,
+    cu_seqlens_host: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward (split_mode, split_chunks, batch_invariant: the CUDA backward's splitting
     and batch invariance, as the forward's; SPLIT_ON or batch_invariant also make it take the
-    fused backward, which splits)."""
+    fused backward, which splits; cu_seqlens_host: as the forward's)."""
     return backward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode,
-                         split_chunks, batch_invariant)
+                         split_chunks, batch_invariant, cu_seqlens_host)
 
 
 def backward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode=SPLIT_AUTO,
-                  split_chunks=0, batch_invariant=False):
+                  split_chunks=0, batch_invariant=False, cu_seqlens_host=None):
     """gdn_bwd's body: the eager low-level API calls it directly (no dispatcher round trip, as
-    forward_impl for the forward); torch.compile goes through the op."""
+    forward_impl for the forward); torch.compile goes through the op. cu_seqlens_host: as
+    forward_impl's (the fused backward plans its pieces from the true lengths; without them a
+    varlen call plans for sequences of the mean length and refines that on the device)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     n = _num_seqs(q, cu_seqlens)
@@ -285,17 +288,21 @@ def backward_impl(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, s
     layout = 1 if state_v_first else 0
     dev = q.device
     if dev.type != "cuda":
-        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, split_mode, split_chunks, batch_invariant)
+        _C.backward(shape, *descs, scale, layout, 0, 0, 0, 0, 0, split_mode, split_chunks, batch_invariant, 0)
         return dq, dk, dv, dg, dbeta, dh0
-    _run_cuda(_C.backward, _C.backward_workspace_size,
-              ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index, split_mode, split_chunks, batch_invariant),
-              shape, descs, scale, layout, dev, split_mode, split_chunks, batch_invariant)
+    if cu_seqlens_host is None:
+        key, host_ptr = ("bwd", shape, n, cu_seqlens is None, q.dtype, dev.index, split_mode, split_chunks,
+                         batch_invariant), 0
+    else:
+        key, host_ptr = None, cu_seqlens_host.data_ptr()  # (the workspace follows the lengths)
+    _run_cuda(_C.backward, _C.backward_workspace_size, key, shape, descs, scale, layout, dev, split_mode, split_chunks,
+              batch_invariant, host_ptr)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @gdn_bwd.register_fake
 def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_v_first, split_mode=SPLIT_AUTO,
-                  split_chunks=0, batch_invariant=False):
+                  split_chunks=0, batch_invariant=False, cu_seqlens_host=None):
     n = _num_seqs(q, cu_seqlens)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -309,7 +316,8 @@ def _gdn_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, s
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_v_first = inputs[:10]
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    # (cu_seqlens_host, a CPU tensor or None, too: the backward plans its pieces from it as the forward did)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, inputs[14])
     ctx.scale = scale
     # The backward splits as asked of the forward, and is batch-invariant where it was.
     ctx.split_mode, ctx.split_chunks, ctx.batch_invariant = inputs[11], inputs[12], inputs[13]
@@ -318,13 +326,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_host = ctx.saved_tensors
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     dq, dk, dv, dg, dbeta, dh0 = gdn_bwd(
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do.contiguous(),
         None if dht is None else dht.contiguous(), ctx.state_v_first, ctx.split_mode, ctx.split_chunks,
-        ctx.batch_invariant,
+        ctx.batch_invariant, cu_seqlens_host,
     )
     # One gradient per gdn_fwd input: none for scale, cu_seqlens and the options.
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None, None, None, None,

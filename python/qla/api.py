@@ -320,6 +320,8 @@ def chunk_gated_delta_rule_bwd(
     which is zero-initialised when initial_state is None). split, split_chunks, batch_invariant:
     the CUDA backward's sequence splitting and batch invariance, as chunk_gated_delta_rule's
     (split=True or batch_invariant=True take the fused backward, which splits; None: automatic).
+    cu_seqlens_cpu: the host copy of cu_seqlens, as chunk_gated_delta_rule's: the CUDA backward
+    then plans its pieces from the true lengths.
     """
     split_mode, split_chunks = _split_args(split, split_chunks)
     batch_invariant = _check_bool("batch_invariant", batch_invariant)
@@ -345,7 +347,8 @@ def chunk_gated_delta_rule_bwd(
                 torch.zeros_like(beta), dh0)
     bwd = _ops.gdn_bwd if torch.compiler.is_compiling() else _ops.backward_impl  # (the op only where traced)
     return bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
-               None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks, batch_invariant)
+               None if dht is None else dht.contiguous(), state_v_first, split_mode, split_chunks, batch_invariant,
+               _host_cu_seqlens(q, cu_seqlens, cu_seqlens_cpu))
 
 
 def _cp_call(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, split_mode,

@@ -155,9 +155,13 @@ struct SplitChoice {
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
 };
-SplitChoice forward_choice(const GdnForwardParams& p, int sms) {
+// fused_only: the plan of the fused backward's states pass and reverse chain, which have no
+// two-pass alternative: the split model's alone, without the forward's two-pass rules (which
+// keep few pairs of sequences under kFusedMinChunks whole, and split the others only below
+// kTwoPassShare of the unsplit cost).
+SplitChoice forward_choice(const GdnForwardParams& p, int sms, bool fused_only = false) {
   SplitChoice sc;
-  const Path path = path_rule(p);
+  const Path path = fused_only ? Path::kFused : path_rule(p);
   if (path == Path::kTwoPass) return sc;
   sc.fused = path == Path::kFused;
   if (p.split == SplitMode::kOff) return sc;
@@ -623,15 +627,14 @@ GdnForwardParams states_params(const GdnBackwardParams& b) {
 }
 
 struct BwdLayout {
-  SplitChoice sc;  // the forward's plan, on the fused kernels
+  SplitChoice sc;  // the split model's plan for the fused kernels (forward_choice, fused_only)
   WsLayout fwd;    // its workspace, at the start
   size_t tm = 0, frags = 0, total = 0;
 };
 BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   BwdLayout l;
-  l.sc = forward_choice(f, sms);
-  l.sc.fused = true;
+  l.sc = forward_choice(f, sms, /*fused_only=*/true);
   l.fwd = ws_layout(f, l.sc);
   const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
   l.tm = up(l.fwd.total);
