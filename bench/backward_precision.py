@@ -163,6 +163,8 @@ def main():
     ap.add_argument("--only-f16", action="store_true", help="the fp16 configurations (and fp32, fwd) only")
     ap.add_argument("--local-bf16", action="store_true",
                     help="fp16 everywhere but the gradients kernel's chunk-local operands, which go bf16 (no units)")
+    ap.add_argument("--min-f16", action="store_true",
+                    help="fp16 for the sequential operands and the inverse only, the rest bf16")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     scale = 128 ** -0.5
@@ -187,6 +189,14 @@ def main():
     configs += [(f"all f16, {n} h", {**all16, n: "h"}) for n in ("P", "dOg", "bK", "Uv")]
     if args.only_f16:
         configs = [c for c in configs if "f16" in c[0] or c[0] in ("fp32", "fwd")]
+    if args.min_f16:
+        # fp16 (in units) only where the sequential quantities and the chunk's inverse enter a
+        # product, every other operand plain bf16 (no unit): how far a bf16 kernel with fp16 chains goes.
+        seq = ["S", "dS", "U", "dU", "X", "Tu", "Tw", "W"]
+        base = {**{n: "h" for n in OPERANDS}, **{n: "f16" for n in seq}}
+        configs = [("all f16", all16), ("f16 " + "/".join(seq), base),
+                   ("... + P", {**base, "P": "f16"}), ("... + P/dOg", {**base, "P": "f16", "dOg": "f16"}),
+                   ("... + P/dOg/dA", {**base, "P": "f16", "dOg": "f16", "dA": "f16"})]
     if args.local_bf16:
         # The chunk-local operands that the gradients kernel forms itself and today carries in
         # fp16 with a unit from a CTA max reduction each: as bf16 they need no unit at all.
