@@ -40,6 +40,7 @@ TILES = {**INPUTS, **CARRIED,
          "dA": T64x64,   # scale causal(E o dP) (bf16)
          "dW": T64x128,  # -dU S^T (fp16, unit): the B operand of dKb = Tm^T dW
          "dM": T64x64,   # E o dL (bf16): dM^T needs it transposed, so through shared memory
+         "Qg": T64x128,  # scale diag(e^g) Q (fp16, row units): the chain's dS^T += dO^T Qg
          }
 
 # The schedule: phases of one chunk, (role, what, reads, writes). Register operands are not
@@ -54,12 +55,13 @@ SCHEDULE = [
     [("A", "P = Q K^T; Pg = scale E o P", ["Q", "K"], ["Pg"]),
      ("K", "dU = Kd dSn (Kd from K)", ["K", "dSn"], [])],
     [("K", "dU += Pg^T dO; dU' with its unit", ["Pg", "dO"], ["dU"]),
-     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"])],
+     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"]),
+     ("S", "Qg' = fp16(scale diag(e^g) Q) (in bf16 its rounding runs down the chain)", ["Q"], ["Qg"])],
     [("A", "U = Tu Z (into Z's slot once the product has read it)", ["Tm", "Z"], ["U"]),
      ("A", "W^T = K^T diag(beta e^g) Tm^T", ["K", "Tm"], ["Wt"]),
-     ("S", "dS = e^G dSn + Qg^T dO", ["Q", "dO"], []),
+     ("S", "dS^T = e^G dSn^T + dO^T Qg' (dO^T a register operand)", ["Qg", "dO"], []),
      ("K", "dv = Tu^T dU -> global", ["Tm", "dU"], [])],
-    [("S", "dS -= W^T dU", ["Wt", "dU"], []),
+    [("S", "dS^T -= dU^T W (W^T's tile as the other major)", ["Wt", "dU"], []),
      ("A", "dP = dO U^T; dA = scale causal(E o dP); R1 row and column sums", ["dO", "U"], ["dA"]),
      ("K", "dW = -dU S^T", ["dU", "S"], ["dW"])],
     [("A", "dq = scale e^g dO S^T + dA K -> global", ["dO", "S", "dA", "K"], []),
