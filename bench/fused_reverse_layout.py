@@ -41,38 +41,45 @@ TILES = {**INPUTS, **CARRIED,
          "dW": T64x128,  # -dU S^T (fp16, unit): the B operand of dKb = Tm^T dW
          "dM": T64x64,   # E o dL (bf16): dM^T needs it transposed, so through shared memory
          "Qg": T64x128,  # scale diag(e^g) Q (fp16, row units): the chain's dS^T += dO^T Qg
+         "dVb": T64x128,  # Tm^T dU (bf16): A's X = dVb V^T
+         "dKb": T64x128,  # Tm^T dW (bf16): A's X += dKb K^T
          }
 
 # The schedule: phases of one chunk, (role, what, reads, writes). Register operands are not
 # listed; an A operand converted from a shared-memory tile counts as a read of that tile. dq, dk,
 # dv go to global memory from registers (as today's gradients kernel), so no staging tile. dL's
-# operands are formed without tiles of their own: with Uv = Tm diag(beta) V and
-# W = Tm diag(beta e^g) K, dL = -(dVb V^T + (dKb K^T) diag(e^g)) diag(beta) Tm^T, dVb and dKb
-# taken from their accumulators as bf16 register A operands against V and K as loaded (bf16
-# products; backward_precision.py --local-bf16 rounds dVb and dKb to bf16), then the 64 x 64
-# sum (fp16, unit) against Tm^T.
+# operands need no Uv or W tile: with Uv = Tm diag(beta) V and W = Tm diag(beta e^g) K,
+# dL = -(dVb V^T + (dKb K^T) diag(e^g)) diag(beta) Tm^T, dVb and dKb in bf16 against V and K as
+# loaded (bf16 products; backward_precision.py --local-bf16 rounds dVb and dKb to bf16), then the
+# 64 x 64 sum (fp16, unit) against Tm^T. dVb and dKb pass from K to A through a bf16 tile (in a
+# slot freed by then), so that A takes dL off K, the role with the most tensor work. The last
+# element of each product is its MFLOP.
+M64, M128 = 2 * C * C * D / 1e6, 2 * C * D * D / 1e6  # MFLOP of a 64x64x128 and a 64x128x128 product
+
 SCHEDULE = [
-    [("A", "P = Q K^T; Pg = scale E o P", ["Q", "K"], ["Pg"]),
-     ("K", "dU = Kd dSn (Kd from K)", ["K", "dSn"], [])],
-    [("K", "dU += Pg^T dO; dU' with its unit", ["Pg", "dO"], ["dU"]),
-     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"]),
-     ("S", "Qg' = fp16(scale diag(e^g) Q) (in bf16 its rounding runs down the chain)", ["Q"], ["Qg"])],
-    [("A", "U = Tu Z (into Z's slot once the product has read it)", ["Tm", "Z"], ["U"]),
-     ("A", "W^T = K^T diag(beta e^g) Tm^T", ["K", "Tm"], ["Wt"]),
-     ("S", "dS^T = e^G dSn^T + dO^T Qg' (dO^T a register operand)", ["Qg", "dO"], []),
-     ("K", "dv = Tu^T dU -> global", ["Tm", "dU"], [])],
-    [("S", "dS^T -= dU^T W (W^T's tile as the other major)", ["Wt", "dU"], []),
-     ("A", "dP = dO U^T; dA = scale causal(E o dP); R1 row and column sums", ["dO", "U"], ["dA"]),
-     ("K", "dW = -dU S^T", ["dU", "S"], ["dW"])],
-    [("A", "dq = scale e^g dO S^T + dA K -> global", ["dO", "S", "dA", "K"], []),
-     ("K", "dK_d = e^(G-g) U dSn^T; dk += dA^T Q", ["U", "dSn", "dA", "Q"], [])],
-    [("K", "dVb = Tm^T dU; X1 = dVb V^T", ["Tm", "dU", "V"], []),
-     ("A", "L = strict(diag(beta) E o K K^T) (registers, for R2)", ["K"], [])],
-    [("K", "dKb = Tm^T dW; dk += diag(beta e^g) dKb; X2 = dKb K^T", ["Tm", "dW", "K"], [])],
-    [("K", "dL = -(X1 + X2 diag(e^g)) diag(beta) Tm^T; dM = E o dL", ["Tm"], ["dM"])],
-    [("K", "dk += diag(beta) dM K + dM^T diag(beta) K -> global", ["dM", "K"], []),
-     ("S", "<dSn, S> for dg", ["dSn", "S"], [])],
-    [("S", "dSn' = the fp16 copy of dS (the next chunk's)", [], ["dSn"])],
+    [("A", "P = Q K^T; Pg = scale E o P", ["Q", "K"], ["Pg"], M64),
+     ("K", "dU = Kd dSn (Kd from K)", ["K", "dSn"], [], M128)],
+    [("K", "dU += Pg^T dO; dU' with its unit", ["Pg", "dO"], ["dU"], M64),
+     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"], M128),
+     ("S", "Qg' = fp16(scale diag(e^g) Q) (in bf16 its rounding runs down the chain)", ["Q"], ["Qg"], 0)],
+    [("A", "U = Tu Z (into Z's slot once the product has read it)", ["Tm", "Z"], ["U"], M64),
+     ("A", "W^T = K^T diag(beta e^g) Tm^T", ["K", "Tm"], ["Wt"], M64),
+     ("S", "dS^T = e^G dSn^T + dO^T Qg' (dO^T a register operand)", ["Qg", "dO"], [], M128),
+     ("K", "dv = Tu^T dU -> global", ["Tm", "dU"], [], M64)],
+    [("S", "dS^T -= dU^T W (W^T's tile as the other major)", ["Wt", "dU"], [], M128),
+     ("A", "dP = dO U^T; dA = scale causal(E o dP); R1 row and column sums", ["dO", "U"], ["dA"], M64),
+     ("K", "dW = -dU S^T", ["dU", "S"], ["dW"], M128)],
+    [("A", "dq = scale e^g dO S^T + dA K -> global", ["dO", "S", "dA", "K"], [], M128 + M64),
+     ("K", "dK_d = e^(G-g) U dSn^T; dk += dA^T Q", ["U", "dSn", "dA", "Q"], [], M128 + M64)],
+    [("K", "dVb = Tm^T dU -> bf16 tile (dbeta's row dot from the accumulator)", ["Tm", "dU"], ["dVb"], M64),
+     ("A", "L = strict(diag(beta) E o K K^T) (registers, for R2)", ["K"], [], M64)],
+    [("K", "dKb = Tm^T dW; dk += diag(beta e^g) dKb -> bf16 tile", ["Tm", "dW"], ["dKb"], M64),
+     ("A", "X = dVb V^T", ["dVb", "V"], [], M64)],
+    [("A", "X += (dKb K^T) diag(e^g); dL = -X diag(beta) Tm^T; dM = E o dL", ["dKb", "K", "Tm"], ["dM"],
+      M64 + M64 / 2)],
+    [("K", "dk += diag(beta) dM K + dM^T diag(beta) K -> global", ["dM", "K"], [], 2 * M64),
+     ("S", "<dSn, S> for dg", ["dSn", "S"], [], 0)],
+    [("S", "dSn' = the fp16 copy of dS (the next chunk's)", [], ["dSn"], 0)],
 ]
 
 
@@ -83,7 +90,7 @@ def lifetimes(schedule):
     n = len(schedule)
     first_w, last_r, readers, writer = {}, {}, {}, {}
     for ph, ops in enumerate(schedule):
-        for role, what, reads, writes in ops:
+        for role, what, reads, writes, *_ in ops:
             for t in reads:
                 if t not in INPUTS and t not in CARRIED and t not in first_w:
                     raise SystemExit(f"phase {ph}: '{what}' reads {t} before it is written")
@@ -153,12 +160,18 @@ def main():
     print("input reload windows (the slot is free from its last reader's phase to the next chunk's first):")
     first_r = {}
     for ph, ops in enumerate(SCHEDULE):
-        for _, _, reads, _ in ops:
+        for _, _, reads, _, *_ in ops:
             for t in reads:
                 first_r.setdefault(t, ph)
     for t in INPUTS:
         print(f"  {t:3s} last read in phase {last_r[t]}, first in phase {first_r[t]}: "
               f"{n - 1 - last_r[t] + first_r[t]} phases to land")
+    work = {}
+    for ops in SCHEDULE:
+        for role, _, _, _, *mf in ops:
+            work[role] = work.get(role, 0.0) + (mf[0] if mf else 0.0)
+    print("tensor work per chunk by role (MFLOP):", {r: round(w, 1) for r, w in sorted(work.items())},
+          f"total {sum(work.values()):.1f}")
     return 0 if total <= args.limit_kib else 1
 
 
