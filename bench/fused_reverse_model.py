@@ -28,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from backward_precision import f16, make_case, rel  # noqa: E402
 
 
-def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64):
-    """(dq, dk, dv, dg, dbeta, dh0) for B = 1, q/k heads = value heads, T a multiple of C."""
+def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf16=False):
+    """(dq, dk, dv, dg, dbeta, dh0) for B = 1, q/k heads = value heads, T a multiple of C.
+    s_bf16: the states pass's S' in bf16 (an image with no units) instead of fp16."""
     f = torch.float32
     h = f16 if rounded else (lambda x: x)                                  # fp16 operand
     b = (lambda x: x.to(torch.bfloat16).float()) if rounded else (lambda x: x)  # bf16 operand
@@ -68,7 +69,7 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64):
         Ec = torch.where(causal, diff, torch.tensor(-float("inf"))).exp()
         Es = torch.where(strict, diff, torch.tensor(-float("inf"))).exp()
         Tm = h(Tm_all[:, c])
-        Ss, dSs = h(S_in[c]), h(dSn)  # S' (the states pass's image), dSn' (the chain's copy)
+        Ss, dSs = (b if s_bf16 else h)(S_in[c]), h(dSn)  # S' (the states pass's image), dSn' (the chain's copy)
         # A: the gated scores (the chain's A and P's image).
         P = scale * Ec * (q_ @ tr(k_))
         Pg = b(P)
@@ -113,7 +114,7 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64):
     return tok(dq), tok(dk), tok(dv), un(dg), un(dbeta), dSn[None]
 
 
-def errors(T, HV, rounded):
+def errors(T, HV, rounded, s_bf16=False):
     """Worst relative L2 per gradient over the three gate cases, against the fp64 chunked backward."""
     from qla import reference
     scale = 128 ** -0.5
@@ -122,7 +123,7 @@ def errors(T, HV, rounded):
         q, k, v, g, beta, do, dht, h0 = make_case(gate, T, HV, 100 + i)
         ref = reference.chunked_backward(q.double(), k.double(), v.double(), g.double(), beta.double(), do.double(),
                                          dht.double(), scale=scale, initial_state=h0.double())
-        out = fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=rounded)
+        out = fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=rounded, s_bf16=s_bf16)
         worst = [max(w, rel(o, r)) for w, o, r in zip(worst, out, ref)]
     return worst
 
@@ -136,8 +137,9 @@ def main():
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
     print(f"T={args.T} HV={args.HV} K=V=128, worst relative L2 over gates benchmark/strong/zero")
     print(f"{'':14}" + "".join(f"{n:>10}" for n in names))
-    for label, rounded in (("fp32 algebra", False), ("planned types", True)):
-        print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, rounded)), flush=True)
+    for label, rounded, sb in (("fp32 algebra", False, False), ("planned types", True, False),
+                               ("S' in bf16", True, True)):
+        print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, rounded, sb)), flush=True)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,24 @@ __device__ __forceinline__ void set_role_registers() {
 
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
 
+// A 16-byte run of shared memory.
+__device__ __forceinline__ uint4 lds_run(uint32_t a) {
+  uint4 u;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
+  return u;
+}
+// Eight 16-bit values (type T) times sc, in type E.
+template <class T, class E>
+__device__ __forceinline__ uint4 scaled_run(uint4 u, float sc) {
+  uint32_t* pu = &u.x;
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(pu[i]);
+    pu[i] = pack2<E>(f.x * sc, f.y * sc);
+  }
+  return u;
+}
+
 // The aux's steps on one chunk's stage (see the top of this file), from the raw 16-bit K|Q tile
 // (type T) as it landed: one read of each K run for Kw, one of each run for Kd' and Qg' (written
 // in place), the scores from the raw tile on the tensor cores with the exponents folded into
@@ -114,20 +132,6 @@ struct RevAux {
   __device__ __forceinline__ const float* eg() const { return sGam + (kInvEg - kInvGam) / 4; }
   __device__ __forceinline__ const float* egk() const { return sGam + (kInvEgk - kInvGam) / 4; }
   __device__ __forceinline__ uint32_t run(int it) const { return qk + 16u * 128u * it; }
-  __device__ __forceinline__ static uint4 load_run(uint32_t a) {
-    uint4 u;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
-    return u;
-  }
-  __device__ __forceinline__ static uint4 scaled(uint4 u, float sc) {  // eight 16-bit inputs times sc, as fp16
-    uint32_t* pu = &u.x;
-    CUTE_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = unpack2<T>(pu[i]);
-      pu[i] = pack2<H>(f.x * sc, f.y * sc);
-    }
-    return u;
-  }
 
   // D's per-token factors: scale 2^-eq_i (scale and q's exponents ride on D, so that A'' and Qg'
   // stay near unit size whatever scale is), zero past the sequence's end (D's rows there).
@@ -138,12 +142,12 @@ struct RevAux {
   // This thread's eight K runs (d-blocks 0 and 1), then Kw = e^gamma K of them into W''s buffer.
   __device__ __forceinline__ void load_k(uint4 (&u)[8]) const {
     CUTE_UNROLL
-    for (int r = 0; r < 8; ++r) u[r] = load_run(run(8 * (r >> 2) + (r & 3)));
+    for (int r = 0; r < 8; ++r) u[r] = lds_run(run(8 * (r >> 2) + (r & 3)));
   }
   // Rows past the sequence's end hold the next sequence's tokens (any value, Inf or NaN): the
   // in-place and copied operands take zeros there (a select: zero times Inf would be NaN).
   __device__ __forceinline__ uint4 scaled_row(uint4 u, float sc, int row) const {
-    return row < len ? scaled(u, sc) : make_uint4(0u, 0u, 0u, 0u);
+    return row < len ? scaled_run<T, H>(u, sc) : make_uint4(0u, 0u, 0u, 0u);
   }
   __device__ __forceinline__ void store_kw(const uint4 (&u)[8]) const {
     float kw[4];
@@ -182,11 +186,11 @@ struct RevAux {
     for (int hb = 0; hb < 2; ++hb) {  // d-block hb: its K runs, then its Q runs
       uint4 u[4];
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + r));
+      for (int r = 0; r < 4; ++r) u[r] = lds_run(run(8 * hb + r));
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) sts128(run(8 * hb + r), scaled_row(u[r], kd[r], r0 + 16 * r));
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) u[r] = load_run(run(8 * hb + 4 + r));
+      for (int r = 0; r < 4; ++r) u[r] = lds_run(run(8 * hb + 4 + r));
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled_row(u[r], qg[r], r0 + 16 * r));
     }

@@ -53,6 +53,7 @@
 #include "host_util.cuh"
 #include "fused_reverse.cuh"  // the fused backward's reverse chain
 #include "chunk_grads.cuh"    // the fused backward's gradients kernel
+#include "fused_step.cuh"     // the fused backward's reverse step (chain and gradients in one CTA)
 
 namespace qla {
 namespace sm90 {
@@ -643,14 +644,36 @@ BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   return l;
 }
 
-// Step 2 at V tile 64 (kMathWGs 1; test builds also 128), after the states pass: the chunk
-// table, regions and (split) maps in wl's places. dht (null: zero) in, dh0 (null: not written)
-// out, in f.state_layout; frags: where the gradients kernel reads dSn' and dU'.
-template <class T, int kMathWGs>
-Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
-                            const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
-                            void* frags) {
-  using Cfg = RevCfg<kMathWGs>;
+// The reverse passes of the fused backward's sequential kernel: unsplit, one launch; split (the
+// forward's plan), pass 0 (pieces 1 .. np - 1 alone, into the map slots), the transposed scan
+// (gdn_bwd_scan) and pass 1 (every piece from the gradient leaving it). The warm-up mirror where
+// the chunks after every boundary decay (split.cuh); the exact path elsewhere.
+// launch(rp, what) launches the kernel on rp (rp.pieces null: unsplit; rp.pass).
+template <class Launch>
+Status run_reverse_passes(RecParams rp, const SplitChoice& sc, const WsLayout& wl, const GdnForwardParams& f, Launch launch) {
+  rp.pass = 0;
+  if (!sc.max_pieces) return launch(rp, "");
+  uint8_t* ws = static_cast<uint8_t*>(f.workspace);
+  const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
+  rp.pieces = reinterpret_cast<int*>(ws + wl.pieces);
+  rp.plan = sc.plan;
+  rp.maps = reinterpret_cast<float*>(ws + wl.maps);
+  rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
+  rp.warm_decay = kWarmLogDecay;
+  rp.warm_max = kWarmMaxChunks;
+  rp.warm_rule = kWarmAfter;
+  Status s = launch(rp, " (pass 0)");
+  if (!s.ok()) return s;
+  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, static_cast<cudaStream_t>(f.stream)>>>(rp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
+  rp.pass = 1;
+  return launch(rp, " (pass 1)");
+}
+
+// The reverse kernels' params after the states pass: the chunk table, regions and (split) maps
+// in wl's places; dht (null: zero) in, dh0 (null: not written) out, in f.state_layout.
+RecParams reverse_params(const GdnForwardParams& f, const WsLayout& wl, const CUtensorMap& tmq, const CUtensorMap& tmk,
+                         const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0) {
   uint8_t* ws = static_cast<uint8_t*>(f.workspace);
   RecParams rp = rec_params(f, tmq, tmk, seq_desc(f), reinterpret_cast<int*>(ws + wl.table), ws + wl.regions);
   rp.tmv = tmdo;
@@ -660,36 +683,48 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
   rp.hT = static_cast<float*>(dh0.data);
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
   rp.h0_pool = rp.hT_pool = PoolIndex{};
+  rp.grad_frags = nullptr;
+  return rp;
+}
+
+// Step 2 at V tile 64 (kMathWGs 1; test builds also 128); frags: where the gradients kernel
+// reads dSn' and dU' (written in the pass that runs whole pieces: the one pass unsplit, pass 1).
+template <class T, int kMathWGs>
+Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
+                            const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
+                            void* frags) {
+  using Cfg = RevCfg<kMathWGs>;
+  RecParams rp = reverse_params(f, wl, tmq, tmk, tmdo, dht, dh0);
   rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
-  rp.pass = 0;
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
   const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces ? sc.max_pieces : N), HV, kDV / Cfg::kVT);
-  if (!sc.max_pieces) {  // whole sequences, one pass
-    rp.grad_frags = frags;
-    gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
-    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse");
+  return run_reverse_passes(rp, sc, wl, f, [&](RecParams q, const char* what) {
+    q.grad_frags = !q.pieces || q.pass == 1 ? frags : nullptr;
+    gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(q);
+    QLA_CUDA_TRY(cudaGetLastError(), (std::string("launch gdn_bwd_fused_reverse") + what).c_str());
     return Status::Ok();
-  }
-  rp.pieces = reinterpret_cast<int*>(ws + wl.pieces);
-  rp.plan = sc.plan;
-  rp.maps = reinterpret_cast<float*>(ws + wl.maps);
-  rp.plan_dev = sc.device_plan ? reinterpret_cast<int*>(ws + wl.plan) : nullptr;
-  // The warm-up mirror where the chunks after every boundary decay (split.cuh); the exact path
-  // (pass 0, the transposed scan) elsewhere.
-  rp.warm_decay = kWarmLogDecay;
-  rp.warm_max = kWarmMaxChunks;
-  rp.warm_rule = kWarmAfter;
-  rp.grad_frags = nullptr;  // pass 0: pieces 1 .. np - 1 alone
-  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 0)");
-  gdn_bwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_scan");
-  rp.pass = 1;
-  rp.grad_frags = frags;
-  gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(rp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_fused_reverse (pass 1)");
-  return Status::Ok();
+  });
+}
+
+// The reverse step (fused_step.cuh) in the same passes: dv (written in the pass that runs whole
+// pieces) out too.
+template <class T>
+Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
+                         const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
+                         const MutTensorRef& dv) {
+  RecParams rp = reverse_params(f, wl, tmq, tmk, tmdo, dht, dh0);
+  rp.o = dv.data;
+  for (int i = 0; i < 3; ++i) rp.so[i] = dv.stride[i];
+  rp.tiles_log2 = 0;  // one V tile of 128 per value head
+  cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
+  const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
+  const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces ? sc.max_pieces : N), HV, 1);
+  return run_reverse_passes(rp, sc, wl, f, [&](const RecParams& q, const char* what) {
+    gdn_bwd_fused_step<T><<<grid, StepCfg::kThreads, StepCfg::kSmem, stream>>>(q);
+    QLA_CUDA_TRY(cudaGetLastError(), (std::string("launch gdn_bwd_fused_step") + what).c_str());
+    return Status::Ok();
+  });
 }
 
 // Step 3: the gradients kernel over the chunk table and regions in wl's places, the T' images
@@ -841,32 +876,51 @@ Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   return launch_fused<T>(p, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v);
 }
 
+// Test builds only: what the reverse kernels read, as the library leaves it: the chunk table and
+// regions (and, split, the maps) of a states pass in p.workspace, run here first (a states pass
+// without fragments; unsplit, the table and the inverse kernel) unless g_test_reverse_maps_ready
+// says an earlier call left them. Leaves the backward's layout and tensor maps.
+template <class T>
+Status test_reverse_setup(const GdnForwardParams& p, const TensorRef& d_o, const char* what, BwdLayout& bl, BwdMaps& maps) {
+  DeviceInfo* dinfo = nullptr;
+  Status s = test_backward_setup<T>(p, d_o, what, dinfo, bl, maps);
+  if (!s.ok() || g_test_reverse_maps_ready) return s;
+  GdnForwardParams fp = p;
+  fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
+  StatesPass sp;
+  return bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v)
+                          : launch_inverse_alone<T>(p, static_cast<uint8_t*>(p.workspace) + bl.fwd.regions);
+}
+
 // Test builds only: the reverse chain as the library runs it (launch_reverse_chain, V tile 64
-// or 128), after the chunk table and regions (and, split, the maps) of a states pass in
-// p.workspace: run here first (a states pass without fragments; unsplit, the table and the
-// inverse kernel) unless g_test_reverse_maps_ready says an earlier call left them.
+// or 128).
 template <class T, int kMathWGs>
 Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
                       void* grad_frags) {
   using Cfg = RevCfg<kMathWGs>;
   if (num_seqs(p) == 0) return Status::Ok();
-  DeviceInfo* dinfo = nullptr;
   BwdLayout bl;
   BwdMaps maps;
-  Status s = test_backward_setup<T>(p, d_o, "sm90 reverse chain (test)", dinfo, bl, maps);
+  Status s = test_reverse_setup<T>(p, d_o, "sm90 reverse chain (test)", bl, maps);
   if (!s.ok()) return s;
-  if (!g_test_reverse_maps_ready) {
-    GdnForwardParams fp = p;
-    fp.final_state.data = nullptr;  // (the states pass's final state is not wanted here)
-    StatesPass sp;
-    s = bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v)
-                         : launch_inverse_alone<T>(p, static_cast<uint8_t*>(p.workspace) + bl.fwd.regions);
-    if (!s.ok()) return s;
-  }
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)Cfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
   return launch_reverse_chain<T, kMathWGs>(p, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, dht, dh0, grad_frags);
+}
+
+// Test builds only: the reverse step (launch_fused_step).
+template <class T>
+Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
+                   const MutTensorRef& dv) {
+  if (num_seqs(p) == 0) return Status::Ok();
+  BwdLayout bl;
+  BwdMaps maps;
+  Status s = test_reverse_setup<T>(p, d_o, "sm90 reverse step (test)", bl, maps);
+  if (!s.ok()) return s;
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_fused_step)");
+  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, dht, dh0, dv);
 }
 
 // Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
@@ -934,6 +988,13 @@ Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* t
   if (!s.ok()) return s;
   return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, grad_frags, tm)
                                        : launch_states<cutlass::half_t>(p, grad_frags, tm);
+}
+Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
+                           const MutTensorRef& dv) {
+  Status s = check_supported(p);
+  if (!s.ok()) return s;
+  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv)
+                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

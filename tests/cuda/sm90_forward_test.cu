@@ -54,6 +54,10 @@ qla::Status test_run_chunk_grads(const qla::GdnForwardParams& p, const qla::Tens
 qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
+// The fused backward's reverse step (fused_step.cuh): d_o and d(final state) in, d(initial
+// state) and dv out.
+qla::Status test_run_fused_step(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
+                                const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv);
 // The backward's states pass (build step 3): each chunk's entering state into grad_frags, the
 // final state into p.final_state.
 qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags, void* tm = nullptr);  // tm: T' images
@@ -1007,6 +1011,62 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   return ok;
 }
 
+// The reverse step (src/sm90/fused_step.cuh): d(initial state) and dv against the fp64
+// token-by-token reverse (v plays dO, the initial state's buffer d(final state)), into poisoned
+// buffers (every element written), bitwise repeatable.
+static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
+  const Case& cc = P.c;  // (T filled in for varlen)
+  const size_t n_v = static_cast<size_t>(cc.B * cc.T * cc.HV * V);
+  void* dv = nullptr;
+  CK(cudaMalloc(&dv, std::max<size_t>(1, n_v) * 2));
+  qla::MutTensorRef dvr;
+  dvr.data = dv;
+  dvr.dtype = cc.qdt;
+  dvr.stride[0] = cc.T * cc.HV * V;
+  dvr.stride[1] = cc.HV * V;
+  dvr.stride[2] = V;
+  qla::MutTensorRef dh0;
+  dh0.data = D.p.final_state.data;
+  dh0.dtype = DType::kFloat32;
+  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  std::vector<float> h[2];
+  std::vector<uint16_t> hv16[2];
+  qla::Status s;
+  for (int call = 0; call < 2; ++call) {
+    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
+    CK(cudaMemset(D.hT, 0xFF, P.N * cc.HV * 128 * state_row_pitch() * 4));
+    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr);
+    if (!s.ok()) break;
+    CK(cudaStreamSynchronize(stream));
+    h[call].resize(P.N * cc.HV * 128 * state_row_pitch());
+    hv16[call].resize(n_v);
+    CK(cudaMemcpy(h[call].data(), D.hT, h[call].size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hv16[call].data(), dv, n_v * 2, cudaMemcpyDeviceToHost));
+  }
+  CK(cudaFree(dv));
+  if (!s.ok()) { std::printf("%-34s reverse step: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  std::vector<double> ref;
+  ChunkGrads cg;
+  reference_reverse(P, ref, &cg);
+  Err err;
+  state_errors(P, h[0], ref, err);
+  L2 ev;
+  for (size_t i = 0; i < n_v; ++i) ev.add(from16(hv16[0][i], cc.qdt), cg.dv[i]);
+  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hv16[0] == hv16[1];
+  const bool nan = err.nan || ev.nan;
+  const bool ok = !nan && same && err.h <= 3e-3 && ev.rel() <= 4e-3;
+  std::printf("step %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e dv %.3e%s%s  %s\n", c.name.c_str(), (long long)P.N,
+              (long long)cc.T, (long long)cc.H, (long long)cc.HV, err.h, ev.rel(), nan ? " NaN" : "",
+              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  free_dev(D);
+  return ok;
+}
+
 // The backward's states pass (the forward's launch with a StatesPass: the lean kernel's states
 // role, split where the forward's plan splits): each chunk's entering state S' against the fp64
 // forward's, and the final state; poisoned buffers, bitwise repeatable.
@@ -1401,14 +1461,34 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
     tf[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt, frags); });
   }
   CK(cudaFree(frags));
+  double tstep = 0;  // the reverse step (chain + dv in one kernel; fused_step.cuh)
+  {
+    void* dv = nullptr;
+    CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
+    qla::MutTensorRef dvr, dh0;
+    dvr.data = dv;
+    dvr.dtype = P.c.qdt;
+    dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
+    dh0.data = D.p.final_state.data;
+    dh0.dtype = DType::kFloat32;
+    for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+    auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr); };
+    qla::Status s = step();
+    CK(cudaStreamSynchronize(stream));
+    if (s.ok()) tstep = median_ms(stream, 20, [&] { (void)step(); });
+    else std::printf("bench reverse step %s: %s\n", c.name.c_str(), s.message().c_str());
+    CK(cudaFree(dv));
+  }
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
   const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
   CK(cudaFree(regions));
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
-              "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f)\n", c.name.c_str(), (long long)P.N,
+              "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f); step (chain + dv) %8.1f us, "
+              "%.2f per chunk\n", c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, t[0] * 1e3, t[1] * 1e3, tinv * 1e3,
-              (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3);
+              (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3,
+              tstep * 1e3, (tstep - tinv) * 1e3 / double(chunks));
   free_dev(D);
 }
 #endif
@@ -1416,6 +1496,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
+  bool do_step = false;  // --step: the reverse step (fused_step.cuh) on the backward's cases
   bool do_states = false, do_grads = false, do_grads_bench = false, do_grads_bench_grid = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
   int reverse_profile_row = -1;  // --reverse-profile R: one reverse chain of bench row R (phase timers, ncu)
@@ -1431,6 +1512,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--inverse-bench") do_inverse = do_inverse_bench = true;
     if (std::string(argv[i]) == "--profile" && i + 1 < argc) profile_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--reverse") do_reverse = true;
+    if (std::string(argv[i]) == "--step") do_step = true;
     if (std::string(argv[i]) == "--states") do_states = true;
     if (std::string(argv[i]) == "--grads") do_grads = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
@@ -1498,10 +1580,11 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench || do_grads_bench_grid) {  // the fused backward's parts (test builds)
+  if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench || do_grads_bench_grid || do_step) {  // the fused backward's parts (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     // The backward's cases: the reverse chain at both V tiles, the states pass, the gradients.
-    const std::vector<Case> rc = do_reverse || do_states || do_grads ? reverse_cases() : std::vector<Case>{};
+    const std::vector<Case> rc = do_reverse || do_states || do_grads || do_step ? reverse_cases() : std::vector<Case>{};
+    for (size_t i = 0; i < rc.size() && do_step; ++i) ok = check_step(rc[i], 6771 + i, stream) && ok;
     for (int vt : {64, 128})
       for (size_t i = 0; i < rc.size() && do_reverse; ++i) ok = check_reverse(rc[i], 7771 + i, stream, vt) && ok;
     for (size_t i = 0; i < rc.size() && do_states; ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;

@@ -1,0 +1,503 @@
+// The fused backward's reverse step (docs/backward.md "The fused reverse step"): one CTA per
+// (sequence or piece, value head) at V tile 128 walks the chunks last to first and, per chunk,
+// runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
+// shared memory once (single-stage tiles between the roles, a two-stage ring for the inputs).
+// Built in steps; this one (build step 2): the chain and dv.
+//
+// Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
+// leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
+// j <= i, Kd = diag(e^(Gamma - gamma)) K, Qg = scale diag(e^gamma) Q, Tu = Tm diag(beta),
+// W = Tu diag(e^gamma) K):
+//   dU = Kd dSn + Pg^T dO,   dS = e^Gamma dSn + Qg^T dO - W^T dU,   dv = Tu^T dU.
+// Roles (warpgroups; one-way hand-overs by mbarriers, no CTA barrier in the loop):
+//   P (WG0, one thread): q, k, dO (two 64-column boxes each) and the region's Tu' image and gates
+//      (inverse.cuh) into a two-stage ring, chunks in reverse order.
+//   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
+//      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens).
+//   K (WG2): dU' (fp16 tile) from the register operand Kd' and the two tiles; dv -> global.
+//   S (WG3): dS^T (128 x 128 fp32 accumulators, 128 registers a thread) across the chunks; Qg'
+//      and D' (fp16 copies of q and dO); the fp16 copy dSn' the next chunk's dU reads.
+// Operands with the keys' exponents ek (K' = diag(2^ek) K, unit rows; inverse.cuh) and per-tile
+// powers of two (units e*) so that every 16-bit tile stays inside fp16's range; the accumulators
+// are fp32 and change units by exact powers of two:
+//   Pg''  = 2^ep diag(2^ek) Pg^T, stored as its transpose (i, j); ep from a bound on |q|, |k|
+//   Kd'   = diag(e^(Gamma - gamma) 2^ek) K (fp16 register operand, rows near unit norm)
+//   dSn'  = 2^en dSn (fp16, en from max |dSn|)
+//   accK  = Pg''^T dO (units ep), then x 2^(en - ep) + Kd' dSn': 2^en diag(2^ek) dU
+//   dU'   = 2^eu accK (fp16, eu from max |accK|): 2^(en + eu) diag(2^ek) dU
+//   dv    = 2^-(et + en + eu) Tu'^T dU'  (Tu' = 2^et diag(2^-ek) Tu, the region's image)
+//   W'    = -2^-et Tu' diag(e^gamma) K = -diag(2^-ek) W (fp16, as the reverse chain's)
+//   Qg'   = 2^eg Qg (fp16; eg from a bound on |q|), D' = 2^ed dO (fp16; ed from max |dO|)
+//   accS  = 2^a dS^T: x e^Gamma 2^(eg + ed - a), + D'^T Qg', x 2^(en + eu - eg - ed), + dU'^T W';
+//           a = en + eu.
+#pragma once
+
+#include "fused_reverse.cuh"
+
+namespace qla {
+namespace sm90 {
+namespace {
+
+struct StepCfg {
+  static constexpr int kThreads = 512;  // P, A, K, S
+  static constexpr int kStages = 2;
+  // Registers per thread by role (setmaxnreg; sum <= 512): P, A, K, S.
+  static constexpr int kRegs[4] = {40, 144, 160, 168};  // (K at 152 spilled ~80 bytes a chunk)
+  static constexpr int kEntryRegs = (65536 / kThreads) & ~7;
+  static_assert(kRegs[0] + kRegs[1] + kRegs[2] + kRegs[3] <= 512, "register budgets over the SM's");
+  // Stage (1 KiB aligned parts): q, k, dO (16-bit inputs as loaded, (tok, d | v), two 64-column
+  // boxes each), the region's Tu' image, its gates and exponents.
+  static constexpr uint32_t kQ = 0, kK = kQKBytes, kO = 2 * kQKBytes, kTu = 3 * kQKBytes;
+  static constexpr uint32_t kGates = kTu + kImgTokTok * 2;
+  static constexpr uint32_t kStageBytes = kGates + 1024;
+  static constexpr uint32_t kTx = 3 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
+  // Tiles between the roles, one of each: Pg'' (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d),
+  // S's Qg' (i, d) and D' (i, v); then the scalars (units, reductions) and the mbarriers.
+  static constexpr uint32_t kPg = kStages * kStageBytes;
+  static constexpr uint32_t kW = kPg + kImgTokTok * 2;
+  static constexpr uint32_t kDU = kW + kQKBytes;
+  static constexpr uint32_t kDSn = kDU + kQKBytes;
+  static constexpr uint32_t kQg = kDSn + 2 * kQKBytes;
+  static constexpr uint32_t kD = kQg + kQKBytes;
+  static constexpr uint32_t kMisc = kD + kQKBytes;
+  static constexpr uint32_t kBar = kMisc + 1024;
+  static constexpr int kBars = 2 * kStages + 4;  // full, empty, dsn_ready, pg_ready, w_ready, du_ready
+  static constexpr size_t kSmem = 1024 + kBar + kBars * 8;
+  static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
+  static_assert(kSmem <= 232448, "reverse step smem over the 227 KiB limit");
+};
+
+// Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
+enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2 };  // en; ep; en + eu
+constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
+// Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
+constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
+
+// A unit for a largest magnitude m: 2^unit m in [2^13, 2^14) (0 for m = 0), kept in [-60, 60] so
+// that sums of two units stay inside fp32's exponent range.
+__device__ __forceinline__ int step_unit(float m) { return m > 0.f ? max(-60, min(60, 13 - float_exponent(m))) : 0; }
+__device__ __forceinline__ float pow2c(int e) { return pow2i(max(-126, min(127, e))); }
+
+// The largest x over a warpgroup (named barrier id; red: two alternating sets of four slots,
+// picked by flip, so that one barrier a call suffices).
+__device__ __forceinline__ float wg_max(float x, float* red, int wt, int id, int flip) {
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  float* r = red + 4 * (flip & 1);
+  if ((wt & 31) == 0) r[wt >> 5] = x;
+  wg_bar(id);
+  return fmaxf(fmaxf(r[0], r[1]), fmaxf(r[2], r[3]));
+}
+
+// The smallest query exponent over the chunk's tokens (every lane of every warp gets it): |q_i|
+// <= 2^(1/2 - eq_i) within a few percent (inverse.cuh), so this bounds the chunk's |q|.
+__device__ __forceinline__ int min_qexp(const int8_t* qexp, int len, int lane) {
+  int e = 127;
+  if (lane < len) e = qexp[lane];
+  if (lane + 32 < len) e = min(e, static_cast<int>(qexp[lane + 32]));
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) e = min(e, __shfl_xor_sync(0xffffffffu, e, o));
+  return e == 127 ? 0 : e;
+}
+
+// A stage's gates and exponents (the region's, from kInvGam on).
+struct StepGates {
+  const float* base;
+  __device__ __forceinline__ explicit StepGates(const uint8_t* stb) : base(reinterpret_cast<const float*>(stb + StepCfg::kGates)) {}
+  __device__ __forceinline__ const float* gam() const { return base; }
+  __device__ __forceinline__ const float* eg() const { return base + (kInvEg - kInvGam) / 4; }
+  __device__ __forceinline__ const float* egk() const { return base + (kInvEgk - kInvGam) / 4; }
+  __device__ __forceinline__ float eG() const { return base[(kInvEG - kInvGam) / 4]; }
+  __device__ __forceinline__ int et() const { return reinterpret_cast<const int*>(base)[(kInvTuExp - kInvGam) / 4]; }
+  __device__ __forceinline__ const int8_t* kexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvKexp - kInvGam); }
+  __device__ __forceinline__ const int8_t* qexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvQexp - kInvGam); }
+};
+
+// Sixteen-byte runs of a (tok, 128) 16-bit tile in the TokD_K layout: run r of thread wt (r < 8)
+// lies at byte 16 (wt + 128 r) and holds 8 elements of row (byte % 8192) / 128 (the 128-byte
+// swizzle moves runs within their row).
+__device__ __forceinline__ uint32_t run_byte(int wt, int r) { return 16u * (wt + 128 * r); }
+__device__ __forceinline__ int run_row(uint32_t byte) { return static_cast<int>((byte & 8191u) >> 7); }
+// dst = diag(factor(row)) src over a (tok, 128) TokD_K tile, in type E; rows at or past len are
+// zeros (selected: the next sequence's tokens may be Inf or NaN).
+template <class T, class E, class Factor>
+__device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, int wt, Factor factor) {
+  CUTE_UNROLL
+  for (int r = 0; r < 8; ++r) {
+    const uint32_t b = run_byte(wt, r);
+    const int row = run_row(b);
+    const uint4 u = lds_run(src + b);
+    sts128(dst + b, row < len ? scaled_run<T, E>(u, factor(row)) : make_uint4(0u, 0u, 0u, 0u));
+  }
+}
+
+// A warpgroup's 64 x N fp32 accumulator as E values into the K-major (row, column) tensor t by
+// stmatrix (stmatrix_rows in another element type).
+template <int N, class E, class Tens, class Value>
+__device__ __forceinline__ void stmatrix_rows_as(Tens& t, int wt, Value value) {
+  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+  CUTE_UNROLL
+  for (int tb = 0; tb < N / 8; tb += 2) {
+    uint32_t rr[4];
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) rr[q] = pack2<E>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
+    stmatrix4(smem_u32(&t(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
+  }
+}
+
+// The reverse step: RecParams as the reverse chain's (tiles_log2 = 0: one V tile of 128; pieces,
+// maps and passes as reverse_role says), tmv d_o's tensor map, h0 / sh0 d(final state) (null:
+// zero), hT / shT d(initial state) in the state layout vk, o / so dv (written for the chunks
+// after a warm-up, in pass 1 or unsplit).
+template <class T>
+__global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const __grid_constant__ RecParams p) {
+  using Cfg = StepCfg;
+  using H = cutlass::half_t;
+  using LH = Lay<H>;
+  using LT = Lay<T>;
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
+  uint64_t* empty = full + kStages;
+  uint64_t* dsn_ready = empty + kStages;  // S: dSn' and en of the chunk (and S's reads of W' and dU' of the last)
+  uint64_t* pg_ready = dsn_ready + 1;     // A: Pg'' and ep (dO's rows past the end zeroed)
+  uint64_t* w_ready = pg_ready + 1;       // A: W'
+  uint64_t* du_ready = w_ready + 1;       // K: dU' and its units (and K's reads of Pg'' and dSn')
+  int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
+  float* fmisc = reinterpret_cast<float*>(misc);
+
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
+  wait_for_previous_kernels();  // the chunk table and the inverse kernel's regions
+  const PieceCta tile = piece_cta(p);
+  if (fused_cta_idle<T>(p, tile)) return;  // (malformed cu_seqlens: the outputs NaN)
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 3 * 128);
+    }
+    for (int b = 0; b < 4; ++b) mbar_init(dsn_ready + b, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __shared__ int sflags[2];
+  reverse_path_flags(p, tile, sflags, tid);
+  __syncthreads();
+  const PieceRole role = reverse_role(p, tile, 1, sflags[0], sflags[1]);
+  if (!role.run) return;
+  const int nch = role.nch;
+  auto chunk_of = [&](int c) { return role.c0 + nch - 1 - c; };  // loop step c: chunks last to first
+  auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
+  auto sparity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
+  auto chunk_len = [&](int c) { return static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC)); };
+
+  if (wg == 0) {
+    // ---------------- P: the loads ----------------
+    set_role_registers<Cfg::kRegs[0], Cfg::kEntryRegs>();
+    if (wt != 0) return;
+    const int hq = tile.hv / (p.HV / p.H), bb = static_cast<int>(tile.b);
+    for (int c = 0; c < nch; ++c) {
+      const int st = c % kStages, cc = chunk_of(c);
+      const int tok = static_cast<int>(tile.t0) + cc * kC;
+      const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + (static_cast<size_t>(tile.ci0 + cc) * p.HV + tile.hv) * kInvRegionBytes;
+      uint8_t* dst = stage(c);
+      mbar_wait(&empty[st], sparity(c) ^ 1);
+      mbar_expect_tx(&full[st], Cfg::kTx);
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        tma_load_4d(dst + Cfg::kQ + h * (kQKBytes / 2), &p.tmq, h * 64, hq, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kK + h * (kQKBytes / 2), &p.tmk, h * 64, hq, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kO + h * (kQKBytes / 2), &p.tmv, h * 64, tile.hv, tok, bb, &full[st]);
+      }
+      bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, &full[st]);
+      bulk_g2s(dst + Cfg::kGates, reg + kInvGam, kInvGateCopy, &full[st]);
+    }
+    return;
+  }
+
+  if (wg == 1) {
+    // ---------------- A: Pg'' and W' ----------------
+    set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
+    auto mmaP = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    auto thrP = mmaP.get_thread_slice(wt);
+    auto thrW = mmaW.get_thread_slice(wt);
+    Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
+    Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
+    Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
+    for (int c = 0; c < nch; ++c) {
+      uint8_t* stb = stage(c);
+      const StepGates gt(stb);
+      const int len = chunk_len(c);
+      mbar_wait(&full[c % kStages], sparity(c));
+      // P = Q K^T (raw inputs), under the bound of Pg'''s unit.
+      Tensor accP = partition_fragment_C(mmaP, Shape<_64, _64>{});
+      {
+        Tensor rQ = thrP.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kQ)), typename LT::TokD_K{}));
+        Tensor rK = thrP.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
+        warpgroup_fence_operand(accP);
+        warpgroup_arrive();
+        gemm_k(mmaP, rQ, rK, accP, GMMA::ScaleOut::Zero);
+        warpgroup_commit_batch();
+      }
+      // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1 (unit rows K').
+      const int ep = step_unit(fabsf(p.scale) * 2.2f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
+      if (len < kC) {  // dO's rows past the end: zeros (K reads dO raw; 0 x NaN would be NaN)
+        const uint32_t o = smem_u32(stb + Cfg::kO);
+        CUTE_UNROLL
+        for (int r = 0; r < 8; ++r)
+          if (run_row(run_byte(wt, r)) >= len) sts128(o + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accP);
+      // Pg''^T's image (i, j): 2^(ep + ek_j) scale e^(gamma_i - gamma_j) P_ij for j <= i < len, else 0.
+      if (c > 0) mbar_wait(du_ready, (c - 1) & 1);  // K's last product has read the previous Pg''
+      {
+        const float* gam = gt.gam();
+        const int8_t* kexp = gt.kexp();
+        stmatrix_rows_as<64, T>(tPg, wt, [&](int e) {
+          const int i = get<0>(cP(e)), j = get<1>(cP(e));
+          const float x = fminf(gam[i] - gam[j], 0.f) * kLog2e + static_cast<float>(ep + kexp[j]);
+          return i < len && j <= i ? exp2f(x) * p.scale * accP(e) : 0.f;
+        });
+      }
+      if (wt == 0) misc[kMiscEp] = ep;
+      fence_async_smem();
+      mbar_arrive(pg_ready);
+      // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in W''s tile; S's last product has read
+      // the previous W' once dSn' of this chunk is ready.
+      mbar_wait(dsn_ready, c & 1);
+      {
+        const float* eg = gt.eg();
+        scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), len, wt, [&](int row) { return eg[row]; });
+      }
+      fence_async_smem();
+      wg_bar(kBarStepA);  // Kw written by every thread before the product reads it
+      Tensor accW = partition_fragment_C(mmaW, Shape<_64, _128>{});
+      {
+        Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+        Tensor rKw = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
+        gemm_sync(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
+      }
+      const float wsc = -pow2c(-gt.et());
+      mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
+      wg_bar(kBarStepA);                 // every warp's product has read Kw
+      stmatrix_rows_as<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
+      fence_async_smem();
+      mbar_arrive(w_ready);
+    }
+    return;
+  }
+
+  if (wg == 2) {
+    // ---------------- K: dU' and dv ----------------
+    set_role_registers<Cfg::kRegs[2], Cfg::kEntryRegs>();
+    auto mmaD = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});  // Kd' dSn' (B (v, d))
+    auto mmaG = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+    auto mmaV = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+    auto thrD = mmaD.get_thread_slice(wt);
+    auto thrG = mmaG.get_thread_slice(wt);
+    auto thrV = mmaV.get_thread_slice(wt);
+    Tensor cK = thrD.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (j, v); also Kd''s (j, d)
+    Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
+    Tensor rDSn = thrD.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_K{}));
+    Tensor rPgT = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_MN{}));
+    Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
+    Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
+    T* dv = static_cast<T*>(p.o);
+    for (int c = 0; c < nch; ++c) {
+      uint8_t* stb = stage(c);
+      const StepGates gt(stb);
+      const int len = chunk_len(c);
+      mbar_wait(&full[c % kStages], sparity(c));
+      {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
+        Tensor tK = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{});
+        const int r0 = get<0>(cK(0));
+        float f[2];
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int j = r0 + 8 * h;
+          f[h] = j < len ? gt.egk()[j] * pow2c(gt.kexp()[j]) : 0.f;
+        }
+        CUTE_UNROLL
+        for (int e = 0; e < size(rKd); e += 2) {
+          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tK(get<0>(cK(e)), get<1>(cK(e)))));
+          const float fh = f[acc_half(e)];
+          rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
+          rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
+        }
+      }
+      // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
+      Tensor accK = partition_fragment_C(mmaD, Shape<_64, _128>{});
+      mbar_wait(pg_ready, c & 1);
+      const int ep = misc[kMiscEp];
+      {
+        Tensor rO = thrG.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::DTok_MN{}));
+        gemm_sync(mmaG, rPgT, rO, accK, GMMA::ScaleOut::Zero);
+      }
+      mbar_wait(dsn_ready, c & 1);
+      const int en = misc[kMiscEn];
+      {
+        const float f = pow2c(en - ep);
+        CUTE_UNROLL
+        for (int e = 0; e < size(accK); ++e) accK(e) *= f;
+      }
+      warpgroup_fence_operand(rKd);
+      gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
+      // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready.
+      float m = 0.f;
+      CUTE_UNROLL
+      for (int e = 0; e < size(accK); ++e) m = fmaxf(m, fabsf(accK(e)));
+      const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, c));
+      {
+        const float f = pow2c(eu);
+        stmatrix_rows_as<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
+      }
+      if (wt == 0) misc[kMiscEu] = en + eu;  // dU''s units, for S
+      fence_async_smem();
+      wg_bar(kBarStepK);  // dU' written by every thread before the dv product reads it
+      mbar_arrive(du_ready);
+      // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
+      Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
+      {
+        Tensor rTuT = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
+        gemm_sync(mmaV, rTuT, rDUv, accV, GMMA::ScaleOut::Zero);
+      }
+      const float dvsc = pow2c(-(gt.et() + en + eu));
+      mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
+      if (role.out && c >= role.nwarm && dv) {
+        const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
+        T* base = dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2];
+        CUTE_UNROLL
+        for (int e = 0; e < size(accV); e += 2) {
+          const int i = get<0>(cK(e)), v = get<1>(cK(e));
+          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.so[1] + v) = pack2<T>(accV(e) * dvsc, accV(e + 1) * dvsc);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---------------- S: the state gradient ----------------
+  set_role_registers<Cfg::kRegs[3], Cfg::kEntryRegs>();
+  // Both products fp16 from shared memory: D'^T Qg' and dU'^T W' (A (v, tok) and B (d, tok) MN-major).
+  auto mmaU = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
+  auto thrU = mmaU.get_thread_slice(wt);
+  Tensor accS0 = partition_fragment_C(mmaU, Shape<_64, _128>{});  // dS^T rows v 0 .. 63, units 2^a
+  Tensor accS1 = partition_fragment_C(mmaU, Shape<_64, _128>{});  // rows v 64 .. 127
+  Tensor cS = thrU.partition_C(make_identity_tensor(Shape<_64, _128>{}));
+  Tensor tDSn = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDSn)), QK_K{});  // (v, d)
+  Tensor tDUt = make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{});  // (v, j)
+  Tensor rW = thrU.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
+  Tensor rQg = thrU.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kQg)), typename LH::DTok_MN{}));
+  Tensor tDt = make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::DTok_MN{});  // (v, i)
+  Tensor rD0 = thrU.partition_fragment_A(local_tile(tDt, Shape<_64, _64>{}, make_coord(0, 0)));
+  Tensor rD1 = thrU.partition_fragment_A(local_tile(tDt, Shape<_64, _64>{}, make_coord(1, 0)));
+  Tensor rDU0 = thrU.partition_fragment_A(local_tile(tDUt, Shape<_64, _64>{}, make_coord(0, 0)));
+  Tensor rDU1 = thrU.partition_fragment_A(local_tile(tDUt, Shape<_64, _64>{}, make_coord(1, 0)));
+  // accS x f (a change of units, with the decay at a chunk's start).
+  auto scale_acc = [&](float f) {
+    CUTE_UNROLL
+    for (int e = 0; e < size(accS0); ++e) {
+      accS0(e) *= f;
+      accS1(e) *= f;
+    }
+  };
+  // accS += A B for both halves of v (A's halves rA0, rA1; B shared), waited for.
+  auto add_product = [&](auto& rA0, auto& rA1, auto& rB) {
+    warpgroup_fence_operand(accS0);
+    warpgroup_fence_operand(accS1);
+    warpgroup_arrive();
+    gemm_k(mmaU, rA0, rB, accS0, GMMA::ScaleOut::One);
+    gemm_k(mmaU, rA1, rB, accS1, GMMA::ScaleOut::One);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS0);
+    warpgroup_fence_operand(accS1);
+  };
+  // d(final state), or the gradient leaving the piece (its map slot), or zero.
+  {
+    const float* maps = role.init == kInitMaps ? map_at(p, tile.map, tile.hv) : nullptr;
+    load_entering_state(p, role.init, tile.n, tile.hv, 0, maps, nullptr, accS0, cS);
+    load_entering_state(p, role.init, tile.n, tile.hv, 64, maps, nullptr, accS1, cS);
+  }
+  int a = 0;     // accS = 2^a dS^T
+  int flip = 0;  // S's reductions (wg_max's alternating slots)
+  // dSn' = 2^en dSn (fp16) for the chunk about to run, and en.
+  auto publish_dsn = [&]() {
+    float m = 0.f;
+    CUTE_UNROLL
+    for (int e = 0; e < size(accS0); ++e) m = fmaxf(m, fmaxf(fabsf(accS0(e)), fabsf(accS1(e))));
+    const int de = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
+    const float f = pow2c(de);
+    Tensor t0 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(0, 0));
+    Tensor t1 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(1, 0));
+    stmatrix_rows_as<128, H>(t0, wt, [&](int e) { return accS0(e) * f; });
+    stmatrix_rows_as<128, H>(t1, wt, [&](int e) { return accS1(e) * f; });
+    if (wt == 0) misc[kMiscEn] = a + de;
+    fence_async_smem();
+    mbar_arrive(dsn_ready);
+  };
+  publish_dsn();
+  for (int c = 0; c < nch; ++c) {
+    uint8_t* stb = stage(c);
+    const StepGates gt(stb);
+    const int len = chunk_len(c);
+    mbar_wait(&full[c % kStages], sparity(c));
+    // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
+    // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
+    // in bench/fused_reverse_model.py.)
+    const int eg = step_unit(fabsf(p.scale) * 1.5f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
+    {
+      const float* egv = gt.eg();
+      const float sc = p.scale * pow2c(eg);
+      scale_rows<T, H>(smem_u32(stb + Cfg::kQ), smem_u32(sm + Cfg::kQg), len, wt, [&](int row) { return egv[row] * sc; });
+    }
+    // D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows.
+    int ed;
+    {
+      const uint32_t src = smem_u32(stb + Cfg::kO), dst = smem_u32(sm + Cfg::kD);
+      float m = 0.f;
+      CUTE_UNROLL
+      for (int r = 0; r < 8; ++r) {
+        const uint32_t b = run_byte(wt, r);
+        if (run_row(b) < len) {
+          const uint4 u = lds_run(src + b);
+          const uint32_t* pu = &u.x;
+          CUTE_UNROLL
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = unpack2<T>(pu[i]);
+            m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
+        }
+      }
+      ed = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
+      const float sc = pow2c(ed);
+      scale_rows<T, H>(src, dst, len, wt, [&](int) { return sc; });
+    }
+    fence_async_smem();
+    wg_bar(kBarStepS);  // Qg' and D' written by every thread before the product reads them
+    scale_acc(gt.eG() * pow2c(eg + ed - a));
+    mbar_arrive(&empty[c % kStages]);  // S's reads of the stage are done (D' and Qg' are S's own)
+    add_product(rD0, rD1, rQg);  // accS += D'^T Qg' (units eg + ed)
+    // accS += dU'^T W' in dU''s units (en + eu).
+    mbar_wait(du_ready, c & 1);
+    mbar_wait(w_ready, c & 1);
+    const int au = misc[kMiscEu];
+    scale_acc(pow2c(au - eg - ed));
+    add_product(rDU0, rDU1, rW);
+    a = au;
+    if (c + 1 < nch) publish_dsn();
+  }
+  // d(initial state), or (pass 0) the gradient entering the piece into the slot before its own.
+  {
+    float* maps = role.end == kEndMaps ? map_at(p, tile.map - 1, tile.hv) : nullptr;
+    const int esc[2] = {a, a};
+    store_leaving_state<false>(p, role.end, tile.n, tile.hv, 0, maps, accS0, cS, esc);
+    store_leaving_state<false>(p, role.end, tile.n, tile.hv, 64, maps, accS1, cS, esc);
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace qla
