@@ -24,51 +24,52 @@ T64x128 = C * D * 2 // KIB     # a 16-bit 64 x 128 tile: 16 KiB
 T64x64 = C * C * 2 // KIB      # a 16-bit 64 x 64 tile: 8 KiB
 T128x128 = D * D * 2 // KIB    # a 16-bit state image: 32 KiB
 
-# Tiles (KiB). Inputs arrive per chunk: q, k, v, dO as loaded (bf16), the inverse kernel's T'
-# (the chunk's inverse in the keys' units; Tu = T' diag(beta) is formed in registers where it is
-# a register A operand), the states pass's S' (the state entering the chunk, fp16 in row units).
-# dSn' is the chain's fp16 copy of the state gradient leaving the chunk (written by S at the end
-# of the previous chunk). Everything else is formed in the CTA.
-INPUTS = {"Q": T64x128, "K": T64x128, "V": T64x128, "dO": T64x128, "Tm": T64x64, "S": T128x128}
+# Tiles (KiB), as the reverse step is built (src/sm90/fused_step.cuh; its chain and dv since
+# 2026-12-06) and planned on. Inputs arrive per chunk: q, k, v, dO as loaded (16-bit), the
+# inverse kernel's Tu' image and T' (the chunk's inverse in the keys' units), the states pass's
+# S' (the state entering the chunk, as an image: bf16 for bf16 inputs). dSn' is the chain's fp16
+# copy of the state gradient leaving the chunk (written by S at the end of the previous chunk).
+# Everything else is formed in the CTA.
+INPUTS = {"Q": T64x128, "K": T64x128, "V": T64x128, "dO": T64x128, "Tu": T64x64, "Tm": T64x64, "S": T128x128}
 CARRIED = {"dSn": T128x128}  # written at the end of chunk c + 1's step, read in chunk c
 TILES = {**INPUTS, **CARRIED,
-         "Pg": T64x64,   # scale e^(g_i - g_j) q_i.k_j (i >= j): the chain's A (bf16)
-         "Z": T64x128,   # V - diag(e^g) K S (fp16), the B operand of U = Tu Z
-         "U": T64x128,   # U' (fp16, unit)
-         "dU": T64x128,  # dU' (fp16, unit)
-         "Wt": T64x128,  # W^T = K^T diag(beta e^g) Tm^T (fp16, unit): the chain's W^T dU
-         "dA": T64x64,   # scale causal(E o dP) (bf16)
-         "dW": T64x128,  # -dU S^T (fp16, unit): the B operand of dKb = Tm^T dW
-         "dM": T64x64,   # E o dL (bf16): dM^T needs it transposed, so through shared memory
-         "Qg": T64x128,  # scale diag(e^g) Q (fp16, row units): the chain's dS^T += dO^T Qg
+         "Pg": T64x64,    # 2^ep diag(2^ek) Pg^T's image (i, j), the input type: K's Pg^T dO
+         "Qg": T64x128,   # scale diag(e^g) Q (fp16, unit): S's dS^T += D'^T Qg'
+         "D": T64x128,    # dO (fp16, unit): the same product's other operand
+         "W": T64x128,    # -diag(2^-ek) W (fp16; Kw = e^g K first, the product over it): S's dU^T W
+         "dU": T64x128,   # dU' (fp16, unit)
+         "Z": T64x128,    # V - diag(e^g) K S, the B operand of U = Tu Z
+         "U": T64x128,    # U' (fp16, unit)
+         "dA": T64x64,    # scale causal(E o dP) (bf16)
+         "dW": T64x128,   # -dU S^T (fp16, unit): the B operand of dKb = Tm^T dW
+         "dM": T64x64,    # E o dL (bf16): dM^T needs it transposed, so through shared memory
          "dVb": T64x128,  # Tm^T dU (bf16): A's X = dVb V^T
          "dKb": T64x128,  # Tm^T dW (bf16): A's X += dKb K^T
          }
 
-# The schedule: phases of one chunk, (role, what, reads, writes). Register operands are not
-# listed; an A operand converted from a shared-memory tile counts as a read of that tile. dq, dk,
-# dv go to global memory from registers (as today's gradients kernel), so no staging tile. dL's
-# operands need no Uv or W tile: with Uv = Tm diag(beta) V and W = Tm diag(beta e^g) K,
-# dL = -(dVb V^T + (dKb K^T) diag(e^g)) diag(beta) Tm^T, dVb and dKb in bf16 against V and K as
-# loaded (bf16 products; backward_precision.py --local-bf16 rounds dVb and dKb to bf16), then the
-# 64 x 64 sum (fp16, unit) against Tm^T. dVb and dKb pass from K to A through a bf16 tile (in a
-# slot freed by then), so that A takes dL off K, the role with the most tensor work. The last
-# element of each product is its MFLOP.
+# The schedule: phases of one chunk, (role, what, reads, writes, MFLOP). Register operands are
+# not listed; an operand formed in registers from a shared-memory tile counts as a read of that
+# tile (K's Kd' from K). Phases 0-2 are the built kernel's (P = Q K^T and Pg'', Qg' and D'; dU,
+# W', D'^T Qg'; dU^T W', dv); the rest is the plan. dq, dk, dv go to global memory from
+# registers, so no staging tile. dL's operands need no Uv or W tile: with Uv = Tm diag(beta) V
+# and W = Tm diag(beta e^g) K, dL = -(dVb V^T + (dKb K^T) diag(e^g)) diag(beta) Tm^T, dVb and dKb
+# in bf16 against V and K as loaded, then the 64 x 64 sum against Tm^T. A slot that passes from
+# one role to another (Qg' or D' of S to A's Z, K's dW) needs a hand-over in the kernel: the
+# script only refuses a same-phase hand-over between roles.
 M64, M128 = 2 * C * C * D / 1e6, 2 * C * D * D / 1e6  # MFLOP of a 64x64x128 and a 64x128x128 product
 
 SCHEDULE = [
-    [("A", "P = Q K^T; Pg = scale E o P", ["Q", "K"], ["Pg"], M64),
-     ("K", "dU = Kd dSn (Kd from K)", ["K", "dSn"], [], M128)],
-    [("K", "dU += Pg^T dO; dU' with its unit", ["Pg", "dO"], ["dU"], M64),
-     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"], M128),
-     ("S", "Qg' = fp16(scale diag(e^g) Q) (in bf16 its rounding runs down the chain)", ["Q"], ["Qg"], 0)],
-    [("A", "U = Tu Z (into Z's slot once the product has read it)", ["Tm", "Z"], ["U"], M64),
-     ("A", "W^T = K^T diag(beta e^g) Tm^T", ["K", "Tm"], ["Wt"], M64),
-     ("S", "dS^T = e^G dSn^T + dO^T Qg' (dO^T a register operand)", ["Qg", "dO"], [], M128),
-     ("K", "dv = Tu^T dU -> global", ["Tm", "dU"], [], M64)],
-    [("S", "dS^T -= dU^T W (W^T's tile as the other major)", ["Wt", "dU"], [], M128),
-     ("A", "dP = dO U^T; dA = scale causal(E o dP); R1 row and column sums", ["dO", "U"], ["dA"], M64),
-     ("K", "dW = -dU S^T", ["dU", "S"], ["dW"], M128)],
+    [("A", "P = Q K^T; Pg''", ["Q", "K"], ["Pg"], M64),
+     ("S", "Qg' = fp16(scale diag(e^g) Q); D' = fp16(dO)", ["Q", "dO"], ["Qg", "D"], 0)],
+    [("K", "dU = Pg^T dO + Kd dSn (Kd from K); dU' with its unit", ["Pg", "dO", "K", "dSn"], ["dU"], M64 + M128),
+     ("A", "Kw = e^g K; W' = -2^-et Tu' Kw over it", ["K", "Tu"], ["W"], M64),
+     ("S", "dS^T = e^G dSn^T + D'^T Qg'", ["D", "Qg"], [], M128)],
+    [("S", "dS^T += dU'^T W'", ["dU", "W"], [], M128),
+     ("K", "dv = Tu^T dU -> global", ["Tu", "dU"], [], M64),
+     ("A", "Y = K S; Z = V - diag(e^g) Y", ["K", "S", "V"], ["Z"], M128)],
+    [("A", "U = Tu Z (into Z's slot once the product has read it)", ["Tu", "Z"], ["U"], M64),
+     ("K", "dW = -dU S^T (dU' in bf16 against a bf16 S')", ["dU", "S"], ["dW"], M128)],
+    [("A", "dP = dO U^T; dA = scale causal(E o dP); R1 row and column sums", ["dO", "U"], ["dA"], M64)],
     [("A", "dq = scale e^g dO S^T + dA K -> global", ["dO", "S", "dA", "K"], [], M128 + M64),
      ("K", "dK_d = e^(G-g) U dSn^T; dk += dA^T Q", ["U", "dSn", "dA", "Q"], [], M128 + M64)],
     [("K", "dVb = Tm^T dU -> bf16 tile (dbeta's row dot from the accumulator)", ["Tm", "dU"], ["dVb"], M64),

@@ -30,7 +30,8 @@ from backward_precision import f16, make_case, rel  # noqa: E402
 
 def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf16=False):
     """(dq, dk, dv, dg, dbeta, dh0) for B = 1, q/k heads = value heads, T a multiple of C.
-    s_bf16: the states pass's S' in bf16 (an image with no units) instead of fp16."""
+    s_bf16: the states pass's S' in bf16 (an image with no units) instead of fp16, and dU' rounded
+    to bf16 where it meets S' (dW = -dU S^T: a wgmma's operands share one type)."""
     f = torch.float32
     h = f16 if rounded else (lambda x: x)                                  # fp16 operand
     b = (lambda x: x.to(torch.bfloat16).float()) if rounded else (lambda x: x)  # bf16 operand
@@ -90,7 +91,7 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf
         dq[:, c] = dQ_S + dA @ k_
         # K: dK_P, dK_d, dW, dVb, dKb.
         dK_d = egk[..., None] * (Us @ tr(dSs))
-        dWs = h(-(dUs @ tr(Ss)))
+        dWs = h(-((b(dUs) if s_bf16 else dUs) @ tr(Ss)))  # (a bf16 S' pairs with dU' in bf16 here)
         dVb = tr(Tm) @ dUs
         dKb = tr(Tm) @ dWs
         dK_b = (bt * eg)[..., None] * dKb

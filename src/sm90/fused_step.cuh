@@ -240,8 +240,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         gemm_k(mmaP, rQ, rK, accP, GMMA::ScaleOut::Zero);
         warpgroup_commit_batch();
       }
-      // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1 (unit rows K').
-      const int ep = step_unit(fabsf(p.scale) * 2.2f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
+      // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1025 (|2^ek k|, |2^eq q| < 2^(1/2) x 1.05).
+      const int ep = step_unit(fabsf(p.scale) * 2.25f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
       if (len < kC) {  // dO's rows past the end: zeros (K reads dO raw; 0 x NaN would be NaN)
         const uint32_t o = smem_u32(stb + Cfg::kO);
         CUTE_UNROLL
