@@ -15,7 +15,7 @@ With rounded=False every operand stays fp32 and the model must match the fp64 ch
 to the fp32 floor (the algebra); with rounded=True its errors are what the kernel's operand types
 cost. CPU only:
 
-    python3 bench/fused_reverse_model.py [--T 2048] [--HV 2]
+    python3 bench/fused_reverse_model.py [--T 2048] [--HV 2] [--gva 2]
 """
 import argparse
 import os
@@ -129,10 +129,34 @@ def errors(T, HV, rounded, s_bf16=False):
     return worst
 
 
+def gva_errors(T, HV, G):
+    """With GVA (G value heads per q/k head; one CTA per value head): the worst relative L2 of dq
+    and dk over the gate cases when each value head's share is summed over its group in fp32 and
+    the sum rounded to bf16 once (fp32 partials), against rounding each share to bf16 first (a
+    bf16 tensor per value head and a group-sum kernel), both with the outputs' bf16 rounding."""
+    from qla import reference
+    scale = 128 ** -0.5
+    bf = lambda x: x.to(torch.bfloat16).double()
+    worst = {"fp32 partials": [0.0, 0.0], "bf16 per value head": [0.0, 0.0]}
+    for i, gate in enumerate(("benchmark", "strong", "zero")):
+        q, k, v, g, beta, do, dht, h0 = make_case(gate, T, HV, 200 + i)
+        q, k = q[:, :, ::G], k[:, :, ::G]  # H = HV / G q/k heads, each shared by G value heads
+        ref = reference.chunked_backward(q.double(), k.double(), v.double(), g.double(), beta.double(), do.double(),
+                                         dht.double(), scale=scale, initial_state=h0.double())
+        qe, ke = q.repeat_interleave(G, 2), k.repeat_interleave(G, 2)
+        dq, dk, *_ = fused_reverse(qe, ke, v, g, beta, do, dht, h0, scale, rounded=True)
+        for name, share in (("fp32 partials", lambda x: x.double()), ("bf16 per value head", bf)):
+            for j, (x, r) in enumerate(((dq, ref[0]), (dk, ref[1]))):
+                summed = share(x).reshape(*x.shape[:2], -1, G, x.shape[-1]).sum(3)
+                worst[name][j] = max(worst[name][j], rel(bf(summed), r))
+    return worst
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--HV", type=int, default=2)
+    ap.add_argument("--gva", type=int, default=0, help="also G value heads a q/k head: dq, dk's group sums")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -141,6 +165,10 @@ def main():
     for label, rounded, sb in (("fp32 algebra", False, False), ("planned types", True, False),
                                ("S' in bf16", True, True)):
         print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, rounded, sb)), flush=True)
+    if args.gva:
+        print(f"GVA, {args.gva} value heads a q/k head, dq and dk with the outputs' bf16 rounding:")
+        for name, (eq, ek) in gva_errors(args.T, args.HV * args.gva, args.gva).items():
+            print(f"  {name:20} dq {eq:.2e} dk {ek:.2e}", flush=True)
 
 
 if __name__ == "__main__":
