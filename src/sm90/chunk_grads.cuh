@@ -77,11 +77,6 @@ static_assert(kGradSmemBytes <= 232448, "gradients smem over the 227 KiB limit")
 using GrTW_MN = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::half_t>{}, Shape<_64, _128>{},
                                        Step<_2, _1>{}));  // (tok, v): TW_K's bytes
 
-__device__ __forceinline__ uint4 lds_u128(uint32_t a) {
-  uint4 u;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
-  return u;
-}
 
 // The inverse of store_fragments: this thread's fragments of an accumulator-ordered fp16 tensor.
 template <class R16>

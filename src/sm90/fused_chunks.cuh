@@ -385,17 +385,17 @@ __device__ __forceinline__ void product_sync(MMA& mma, RA& rA, const RB& rB, Acc
   gemm_sync(mma, rA, rB, acc, first);
 }
 
-// A warpgroup's 64 x N fp32 accumulator rows as fp16 into the K-major (row, column) tensor t, by
-// stmatrix: element i of the accumulator becomes value(i). Lane l addresses row l % 8 of block
-// l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes.
-template <int N, class Tens, class Value>
+// A warpgroup's 64 x N fp32 accumulator rows as E (fp16 unless named) into the K-major (row,
+// column) tensor t, by stmatrix: element i of the accumulator becomes value(i). Lane l addresses
+// row l % 8 of block l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes.
+template <int N, class E = cutlass::half_t, class Tens, class Value>
 __device__ __forceinline__ void stmatrix_rows(Tens& t, int wt, Value value) {
   const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
   CUTE_UNROLL
   for (int tb = 0; tb < N / 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
     uint32_t rr[4];
     CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) rr[q] = pack2<cutlass::half_t>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
+    for (int q = 0; q < 4; ++q) rr[q] = pack2<E>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
     stmatrix4(smem_u32(&t(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
   }
 }

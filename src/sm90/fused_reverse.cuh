@@ -85,12 +85,6 @@ __device__ __forceinline__ void set_role_registers() {
 
 constexpr int kRevUnitsLo = 2;  // row units: max(|dSn^T row|, |D row|) in [2^2, 2^6)
 
-// A 16-byte run of shared memory.
-__device__ __forceinline__ uint4 lds_run(uint32_t a) {
-  uint4 u;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a));
-  return u;
-}
 // Eight 16-bit values (type T) times sc, in type E.
 template <class T, class E>
 __device__ __forceinline__ uint4 scaled_run(uint4 u, float sc) {
@@ -142,7 +136,7 @@ struct RevAux {
   // This thread's eight K runs (d-blocks 0 and 1), then Kw = e^gamma K of them into W''s buffer.
   __device__ __forceinline__ void load_k(uint4 (&u)[8]) const {
     CUTE_UNROLL
-    for (int r = 0; r < 8; ++r) u[r] = lds_run(run(8 * (r >> 2) + (r & 3)));
+    for (int r = 0; r < 8; ++r) u[r] = lds_u128(run(8 * (r >> 2) + (r & 3)));
   }
   // Rows past the sequence's end hold the next sequence's tokens (any value, Inf or NaN): the
   // in-place and copied operands take zeros there (a select: zero times Inf would be NaN).
@@ -186,11 +180,11 @@ struct RevAux {
     for (int hb = 0; hb < 2; ++hb) {  // d-block hb: its K runs, then its Q runs
       uint4 u[4];
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) u[r] = lds_run(run(8 * hb + r));
+      for (int r = 0; r < 4; ++r) u[r] = lds_u128(run(8 * hb + r));
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) sts128(run(8 * hb + r), scaled_row(u[r], kd[r], r0 + 16 * r));
       CUTE_UNROLL
-      for (int r = 0; r < 4; ++r) u[r] = lds_run(run(8 * hb + 4 + r));
+      for (int r = 0; r < 4; ++r) u[r] = lds_u128(run(8 * hb + 4 + r));
       CUTE_UNROLL
       for (int r = 0; r < 4; ++r) sts128(run(8 * hb + 4 + r), scaled_row(u[r], qg[r], r0 + 16 * r));
     }

@@ -126,22 +126,8 @@ __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, 
   for (int r = 0; r < 8; ++r) {
     const uint32_t b = run_byte(wt, r);
     const int row = run_row(b);
-    const uint4 u = lds_run(src + b);
+    const uint4 u = lds_u128(src + b);
     sts128(dst + b, row < len ? scaled_run<T, E>(u, factor(row)) : make_uint4(0u, 0u, 0u, 0u));
-  }
-}
-
-// A warpgroup's 64 x N fp32 accumulator as E values into the K-major (row, column) tensor t by
-// stmatrix (stmatrix_rows in another element type).
-template <int N, class E, class Tens, class Value>
-__device__ __forceinline__ void stmatrix_rows_as(Tens& t, int wt, Value value) {
-  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
-  CUTE_UNROLL
-  for (int tb = 0; tb < N / 8; tb += 2) {
-    uint32_t rr[4];
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) rr[q] = pack2<E>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
-    stmatrix4(smem_u32(&t(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
   }
 }
 
@@ -255,7 +241,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       {
         const float* gam = gt.gam();
         const int8_t* kexp = gt.kexp();
-        stmatrix_rows_as<64, T>(tPg, wt, [&](int e) {
+        stmatrix_rows<64, T>(tPg, wt, [&](int e) {
           const int i = get<0>(cP(e)), j = get<1>(cP(e));
           const float x = fminf(gam[i] - gam[j], 0.f) * kLog2e + static_cast<float>(ep + kexp[j]);
           return i < len && j <= i ? exp2f(x) * p.scale * accP(e) : 0.f;
@@ -282,7 +268,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const float wsc = -pow2c(-gt.et());
       mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
       wg_bar(kBarStepA);                 // every warp's product has read Kw
-      stmatrix_rows_as<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
+      stmatrix_rows<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
       fence_async_smem();
       mbar_arrive(w_ready);
     }
@@ -351,7 +337,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, c));
       {
         const float f = pow2c(eu);
-        stmatrix_rows_as<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
+        stmatrix_rows<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
       }
       if (wt == 0) misc[kMiscEu] = en + eu;  // dU''s units, for S
       fence_async_smem();
@@ -432,8 +418,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const float f = pow2c(de);
     Tensor t0 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(0, 0));
     Tensor t1 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(1, 0));
-    stmatrix_rows_as<128, H>(t0, wt, [&](int e) { return accS0(e) * f; });
-    stmatrix_rows_as<128, H>(t1, wt, [&](int e) { return accS1(e) * f; });
+    stmatrix_rows<128, H>(t0, wt, [&](int e) { return accS0(e) * f; });
+    stmatrix_rows<128, H>(t1, wt, [&](int e) { return accS1(e) * f; });
     if (wt == 0) misc[kMiscEn] = a + de;
     fence_async_smem();
     mbar_arrive(dsn_ready);
@@ -462,7 +448,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       for (int r = 0; r < 8; ++r) {
         const uint32_t b = run_byte(wt, r);
         if (run_row(b) < len) {
-          const uint4 u = lds_run(src + b);
+          const uint4 u = lds_u128(src + b);
           const uint32_t* pu = &u.x;
           CUTE_UNROLL
           for (int i = 0; i < 4; ++i) {
