@@ -211,11 +211,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
+    QLA_PHASES(7);
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
       const int len = chunk_len(c);
       mbar_wait(&full[c % kStages], sparity(c));
+      QLA_PHASE(0);
       // P = Q K^T (raw inputs), under the bound of Pg'''s unit.
       Tensor accP = partition_fragment_C(mmaP, Shape<_64, _64>{});
       {
@@ -237,7 +239,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       warpgroup_wait<0>();
       warpgroup_fence_operand(accP);
       // Pg''^T's image (i, j): 2^(ep + ek_j) scale e^(gamma_i - gamma_j) P_ij for j <= i < len, else 0.
+      QLA_PHASE(1);
       if (c > 0) mbar_wait(du_ready, (c - 1) & 1);  // K's last product has read the previous Pg''
+      QLA_PHASE(2);
       {
         const float* gam = gt.gam();
         const int8_t* kexp = gt.kexp();
@@ -250,9 +254,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
       mbar_arrive(pg_ready);
+      QLA_PHASE(3);
       // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in W''s tile; S's last product has read
       // the previous W' once dSn' of this chunk is ready.
       mbar_wait(dsn_ready, c & 1);
+      QLA_PHASE(4);
       {
         const float* eg = gt.eg();
         scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), len, wt, [&](int row) { return eg[row]; });
@@ -265,13 +271,16 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         Tensor rKw = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
         gemm_sync(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
       }
+      QLA_PHASE(5);
       const float wsc = -pow2c(-gt.et());
       mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
       wg_bar(kBarStepA);                 // every warp's product has read Kw
       stmatrix_rows<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
       fence_async_smem();
       mbar_arrive(w_ready);
+      QLA_PHASE(6);
     }
+    QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' store, wait dSn', Kw + W' product, W' store)", 7, nch);
     return;
   }
 
@@ -291,11 +300,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
+    QLA_PHASES(8);
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
       const int len = chunk_len(c);
       mbar_wait(&full[c % kStages], sparity(c));
+      QLA_PHASE(0);
       {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
         Tensor tK = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{});
         const int r0 = get<0>(cK(0));
@@ -315,13 +326,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
       Tensor accK = partition_fragment_C(mmaD, Shape<_64, _128>{});
+      QLA_PHASE(1);
       mbar_wait(pg_ready, c & 1);
+      QLA_PHASE(2);
       const int ep = misc[kMiscEp];
       {
         Tensor rO = thrG.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::DTok_MN{}));
         gemm_sync(mmaG, rPgT, rO, accK, GMMA::ScaleOut::Zero);
       }
+      QLA_PHASE(3);
       mbar_wait(dsn_ready, c & 1);
+      QLA_PHASE(4);
       const int en = misc[kMiscEn];
       {
         const float f = pow2c(en - ep);
@@ -330,6 +345,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       warpgroup_fence_operand(rKd);
       gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
+      QLA_PHASE(5);
       // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready.
       float m = 0.f;
       CUTE_UNROLL
@@ -343,6 +359,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       fence_async_smem();
       wg_bar(kBarStepK);  // dU' written by every thread before the dv product reads it
       mbar_arrive(du_ready);
+      QLA_PHASE(6);
       // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
       Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
       {
@@ -360,7 +377,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.so[1] + v) = pack2<T>(accV(e) * dvsc, accV(e + 1) * dvsc);
         }
       }
+      QLA_PHASE(7);
     }
+    QLA_PHASES_PRINT("step K (wait, Kd', wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 8, nch);
     return;
   }
 
@@ -425,11 +444,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(dsn_ready);
   };
   publish_dsn();
+  QLA_PHASES(6);
   for (int c = 0; c < nch; ++c) {
     uint8_t* stb = stage(c);
     const StepGates gt(stb);
     const int len = chunk_len(c);
     mbar_wait(&full[c % kStages], sparity(c));
+    QLA_PHASE(0);
     // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
     // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
     // in bench/fused_reverse_model.py.)
@@ -465,16 +486,22 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     wg_bar(kBarStepS);  // Qg' and D' written by every thread before the product reads them
     scale_acc(gt.eG() * pow2c(eg + ed - a));
     mbar_arrive(&empty[c % kStages]);  // S's reads of the stage are done (D' and Qg' are S's own)
+    QLA_PHASE(1);
     add_product(rD0, rD1, rQg);  // accS += D'^T Qg' (units eg + ed)
+    QLA_PHASE(2);
     // accS += dU'^T W' in dU''s units (en + eu).
     mbar_wait(du_ready, c & 1);
     mbar_wait(w_ready, c & 1);
+    QLA_PHASE(3);
     const int au = misc[kMiscEu];
     scale_acc(pow2c(au - eg - ed));
     add_product(rDU0, rDU1, rW);
     a = au;
+    QLA_PHASE(4);
     if (c + 1 < nch) publish_dsn();
+    QLA_PHASE(5);
   }
+  QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', dSn' max + store)", 6, nch);
   // d(initial state), or (pass 0) the gradient entering the piece into the slot before its own.
   {
     float* maps = role.end == kEndMaps ? map_at(p, tile.map - 1, tile.hv) : nullptr;

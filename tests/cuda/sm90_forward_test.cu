@@ -1576,6 +1576,24 @@ int main(int argc, char** argv) {
     qla::sm90::test_print_phases();
 #endif
     std::printf("reverse profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
+    {  // the reverse step of the same row (chain + dv), its own phase records
+      void* dv = nullptr;
+      CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
+      qla::MutTensorRef dvr, dh0;
+      dvr.data = dv;
+      dvr.dtype = P.c.qdt;
+      dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
+      dh0.data = D.p.final_state.data;
+      dh0.dtype = DType::kFloat32;
+      for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+      const qla::Status st = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr);
+      CK(cudaStreamSynchronize(stream));
+#ifdef QLA_FUSED_PROFILE
+      qla::sm90::test_print_phases();
+#endif
+      std::printf("step profile %s: %s\n", c.name.c_str(), st.ok() ? "ok" : st.message().c_str());
+      CK(cudaFree(dv));
+    }
     free_dev(D);
     return s.ok() ? 0 : 1;
   }
