@@ -40,35 +40,40 @@ namespace {
 
 struct StepCfg {
   static constexpr int kThreads = 512;  // P, A, K, S
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 1;
   // Registers per thread by role (setmaxnreg; sum <= 512): P, A, K, S.
-  static constexpr int kRegs[4] = {40, 144, 160, 168};  // (K at 152 spilled ~80 bytes a chunk)
+  static constexpr int kRegs[4] = {24, 160, 160, 168};
   static constexpr int kEntryRegs = (65536 / kThreads) & ~7;
   static_assert(kRegs[0] + kRegs[1] + kRegs[2] + kRegs[3] <= 512, "register budgets over the SM's");
-  // Stage (1 KiB aligned parts): q, k, dO (16-bit inputs as loaded, (tok, d | v), two 64-column
-  // boxes each), the region's Tu' image, its gates and exponents.
-  static constexpr uint32_t kQ = 0, kK = kQKBytes, kO = 2 * kQKBytes, kTu = 3 * kQKBytes;
+  // The stage (1 KiB aligned parts): q, k, v, dO (16-bit inputs as loaded, (tok, d | v), two
+  // 64-column boxes each), the region's Tu' image, its gates and exponents.
+  static constexpr uint32_t kQ = 0, kK = kQKBytes, kV = 2 * kQKBytes, kO = 3 * kQKBytes, kTu = 4 * kQKBytes;
   static constexpr uint32_t kGates = kTu + kImgTokTok * 2;
   static constexpr uint32_t kStageBytes = kGates + 1024;
-  static constexpr uint32_t kTx = 3 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
-  // Tiles between the roles, one of each: Pg'' (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d),
-  // S's Qg' (i, d) and D' (i, v); then the scalars (units, reductions) and the mbarriers.
-  static constexpr uint32_t kPg = kStages * kStageBytes;
+  static constexpr uint32_t kTx = 4 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
+  // Tiles between the roles, one of each: S' (v, d) in the input type (A, from the states pass's
+  // fragments), Pg'' then dA (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg' (i, d)
+  // and D' (i, v), A's Z' then U'' (tok, v); then the scalars (units, reductions, mbarriers).
+  static constexpr uint32_t kS = kStages * kStageBytes;
+  static constexpr uint32_t kPg = kS + 2 * kQKBytes;
   static constexpr uint32_t kW = kPg + kImgTokTok * 2;
   static constexpr uint32_t kDU = kW + kQKBytes;
   static constexpr uint32_t kDSn = kDU + kQKBytes;
   static constexpr uint32_t kQg = kDSn + 2 * kQKBytes;
   static constexpr uint32_t kD = kQg + kQKBytes;
-  static constexpr uint32_t kMisc = kD + kQKBytes;
-  static constexpr uint32_t kBar = kMisc + 1024;
-  static constexpr int kBars = 2 * kStages + 4;  // full, empty, dsn_ready, pg_ready, w_ready, du_ready
-  static constexpr size_t kSmem = 1024 + kBar + kBars * 8;
+  static constexpr uint32_t kU = kD + kQKBytes;
+  static constexpr uint32_t kMisc = kU + kQKBytes;
+  static constexpr uint32_t kBar = kMisc + 512;
+  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free
+  static constexpr int kBars = 2 * kStages + 6;
+  static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kSmem <= 232448, "reverse step smem over the 227 KiB limit");
+  static_assert(kBars * 8 <= 128, "the mbarriers over their part");
+  static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
-enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2 };  // en; ep; en + eu
+enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3 };  // en; ep; en + eu; ed
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
@@ -145,12 +150,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = static_cast<uint8_t*>(
       __builtin_assume_aligned(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u), 1024));
-  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);
+  uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);  // kStages of full, then of empty
   uint64_t* empty = full + kStages;
   uint64_t* dsn_ready = empty + kStages;  // S: dSn' and en of the chunk (and S's reads of W' and dU' of the last)
   uint64_t* pg_ready = dsn_ready + 1;     // A: Pg'' and ep (dO's rows past the end zeroed)
   uint64_t* w_ready = pg_ready + 1;       // A: W'
   uint64_t* du_ready = w_ready + 1;       // K: dU' and its units (and K's reads of Pg'' and dSn')
+  uint64_t* d_ready = du_ready + 1;       // S: D' and ed
+  uint64_t* d_free = d_ready + 1;         // A: its read of D' (dP) done
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -163,7 +170,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 3 * 128);
     }
-    for (int b = 0; b < 4; ++b) mbar_init(dsn_ready + b, 128);
+    for (int b = 0; b < 6; ++b) mbar_init(dsn_ready + b, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -193,7 +200,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       for (int h = 0; h < 2; ++h) {
         tma_load_4d(dst + Cfg::kQ + h * (kQKBytes / 2), &p.tmq, h * 64, hq, tok, bb, &full[st]);
         tma_load_4d(dst + Cfg::kK + h * (kQKBytes / 2), &p.tmk, h * 64, hq, tok, bb, &full[st]);
-        tma_load_4d(dst + Cfg::kO + h * (kQKBytes / 2), &p.tmv, h * 64, tile.hv, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kV + h * (kQKBytes / 2), &p.tmv, h * 64, tile.hv, tok, bb, &full[st]);
+        tma_load_4d(dst + Cfg::kO + h * (kQKBytes / 2), &p.tmdo, h * 64, tile.hv, tok, bb, &full[st]);
       }
       bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, &full[st]);
       bulk_g2s(dst + Cfg::kGates, reg + kInvGam, kInvGateCopy, &full[st]);
@@ -202,23 +210,35 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   }
 
   if (wg == 1) {
-    // ---------------- A: Pg'' and W' ----------------
+    // ---------------- A: Pg'' and W' for the chain; S', U, dP, dA and dq ----------------
     set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
     auto mmaP = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    auto mmaY = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaDP = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaQ = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto thrP = mmaP.get_thread_slice(wt);
     auto thrW = mmaW.get_thread_slice(wt);
-    Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
+    auto thrY = mmaY.get_thread_slice(wt);
+    auto thrDP = mmaDP.get_thread_slice(wt);
+    auto thrQ = mmaQ.get_thread_slice(wt);
+    Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (i, j)
+    Tensor cY = thrY.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, v | d)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
-    QLA_PHASES(7);
+    Tensor tS = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kS)), QK_K{});  // (v, d)
+    Tensor tU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kU)), typename LH::TokD_K{});
+    T* dq = static_cast<T*>(p.dq);
+    int flip = 0;  // A's reductions
+    QLA_PHASES(8);
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
       const int len = chunk_len(c);
+      const bool grads = role.out && c >= role.nwarm && dq && p.grad_frags;  // (the gradients of this chunk)
       mbar_wait(&full[c % kStages], sparity(c));
       QLA_PHASE(0);
-      // P = Q K^T (raw inputs), under the bound of Pg'''s unit.
+      // P = Q K^T (raw inputs), under the bound of the unit of Pg''.
       Tensor accP = partition_fragment_C(mmaP, Shape<_64, _64>{});
       {
         Tensor rQ = thrP.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kQ)), typename LT::TokD_K{}));
@@ -230,15 +250,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1025 (|2^ek k|, |2^eq q| < 2^(1/2) x 1.05).
       const int ep = step_unit(fabsf(p.scale) * 2.25f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
-      if (len < kC) {  // dO's rows past the end: zeros (K reads dO raw; 0 x NaN would be NaN)
-        const uint32_t o = smem_u32(stb + Cfg::kO);
+      if (len < kC) {  // dO's and v's rows past the end: zeros (read raw by products; 0 x NaN would be NaN)
         CUTE_UNROLL
         for (int r = 0; r < 8; ++r)
-          if (run_row(run_byte(wt, r)) >= len) sts128(o + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
+          if (run_row(run_byte(wt, r)) >= len) {
+            sts128(smem_u32(stb + Cfg::kO) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
+            sts128(smem_u32(stb + Cfg::kV) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
+          }
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accP);
-      // Pg''^T's image (i, j): 2^(ep + ek_j) scale e^(gamma_i - gamma_j) P_ij for j <= i < len, else 0.
+      // The image of Pg''^T (i, j): 2^(ep + ek_j) scale e^(gamma_i - gamma_j) P_ij for j <= i < len, else 0.
       QLA_PHASE(1);
       if (c > 0) mbar_wait(du_ready, (c - 1) & 1);  // K's last product has read the previous Pg''
       QLA_PHASE(2);
@@ -254,33 +276,163 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
       mbar_arrive(pg_ready);
+      // S' = the states pass's S'^T fragments without their row units, in the input type.
+      if (grads) {
+        const uint8_t* fr = static_cast<const uint8_t*>(p.grad_frags) +
+                            (static_cast<size_t>(tile.ci0 + chunk_of(c)) * p.HV + tile.hv) * kFragRegionBytes;
+        const int r0 = get<0>(cY(0));
+        CUTE_UNROLL
+        for (int b = 0; b < 2; ++b) {
+          const uint8_t* blk = fr + b * kFragBlockBytes;
+          const int* esc = reinterpret_cast<const int*>(blk + kFragEscS);
+          const float sc[2] = {pow2c(-esc[r0]), pow2c(-esc[r0 + 8])};
+          uint32_t w[32];
+          CUTE_UNROLL
+          for (int i = 0; i < 8; ++i) {
+            const uint4 u = *reinterpret_cast<const uint4*>(blk + kFragS + 2048u * i + 16u * wt);
+            w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
+          }
+          Tensor tb = local_tile(tS, Shape<_64, _128>{}, make_coord(b, 0));
+          stmatrix_rows<128, T>(tb, wt, [&](int e) {
+            const uint16_t h = static_cast<uint16_t>((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu));
+            return static_cast<float>(H::bitcast(h)) * sc[acc_half(e)];
+          });
+        }
+      }
       QLA_PHASE(3);
-      // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in W''s tile; S's last product has read
-      // the previous W' once dSn' of this chunk is ready.
+      // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in the tile of W'; S's last product has
+      // read the previous W' once dSn' of this chunk is ready.
       mbar_wait(dsn_ready, c & 1);
       QLA_PHASE(4);
       {
         const float* eg = gt.eg();
         scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), len, wt, [&](int row) { return eg[row]; });
       }
-      fence_async_smem();
-      wg_bar(kBarStepA);  // Kw written by every thread before the product reads it
+      fence_async_smem();  // (S' and Kw) before the products read them
+      wg_bar(kBarStepA);   // Kw written by every thread before the product reads it
       Tensor accW = partition_fragment_C(mmaW, Shape<_64, _128>{});
       {
         Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
         Tensor rKw = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
         gemm_sync(mmaW, rTu, rKw, accW, GMMA::ScaleOut::Zero);
       }
-      QLA_PHASE(5);
-      const float wsc = -pow2c(-gt.et());
-      mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
-      wg_bar(kBarStepA);                 // every warp's product has read Kw
-      stmatrix_rows<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
+      const int et = gt.et();
+      wg_bar(kBarStepA);  // every warp's product has read Kw
+      {
+        const float wsc = -pow2c(-et);
+        stmatrix_rows<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
+      }
       fence_async_smem();
       mbar_arrive(w_ready);
-      QLA_PHASE(6);
+      QLA_PHASE(5);
+      if (grads) {
+        // Z = V - diag(e^gamma) K S (rows past the end zero), Z' = 2^ez Z (fp16) in the tile of U.
+        Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
+        {
+          Tensor rK = thrY.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
+          Tensor rS = thrY.partition_fragment_B(tS);
+          gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
+        }
+        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
+        const float* eg = gt.eg();
+        float m = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); e += 2) {
+          const int i = get<0>(cY(e)), v = get<1>(cY(e));
+          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tV(i, v)));
+          acc(e) = i < len ? v2.x - eg[i] * acc(e) : 0.f;
+          acc(e + 1) = i < len ? v2.y - eg[i] * acc(e + 1) : 0.f;
+          m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
+        }
+        const int ez = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+        {
+          const float f = pow2c(ez);
+          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+        }
+        fence_async_smem();
+        wg_bar(kBarStepA);  // Z' written by every thread before the product reads it
+        // U'' = 2^eu Tu' Z' = 2^(eu + et + ez) diag(2^-ek) U, over Z' (fp16).
+        {
+          Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+          Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
+          gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
+        }
+        m = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
+        const int eu = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));  // (its barrier: every product has read Z')
+        {
+          const float f = pow2c(eu);
+          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+        }
+        fence_async_smem();
+        wg_bar(kBarStepA);  // U'' written by every thread
+        QLA_PHASE(6);
+        // dP'' = D' U''^T = 2^(ed + eut) dO U^T diag(2^-ek), eut = eu + et + ez.
+        mbar_wait(d_ready, c & 1);
+        const int eut = eu + et + ez, ed = misc[kMiscEd];
+        Tensor accD = partition_fragment_C(mmaDP, Shape<_64, _64>{});
+        {
+          Tensor rD = thrDP.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokD_K{}));
+          Tensor rU = thrDP.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::TokD_K{}));
+          gemm_sync(mmaDP, rD, rU, accD, GMMA::ScaleOut::Zero);
+        }
+        mbar_arrive(d_free);
+        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
+        // into the tile of Pg'' once K's product has read it.
+        {
+          const float* gam = gt.gam();
+          const int8_t* kexp = gt.kexp();
+          m = 0.f;
+          CUTE_UNROLL
+          for (int e = 0; e < size(accD); ++e) {
+            const int i = get<0>(cP(e)), j = get<1>(cP(e));
+            const float x = fminf(gam[i] - gam[j], 0.f) * kLog2e + static_cast<float>(kexp[j] - ed - eut);
+            accD(e) = i < len && j <= i ? exp2f(x) * p.scale * accD(e) : 0.f;
+            m = fmaxf(m, fabsf(accD(e)));
+          }
+        }
+        const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+        const float fa = pow2c(ea);
+        mbar_wait(du_ready, c & 1);
+        stmatrix_rows<64, T>(tPg, wt, [&](int e) { return accD(e) * fa; });
+        fence_async_smem();
+        wg_bar(kBarStepA);  // dA'' written by every thread
+        // dq = scale diag(e^gamma) dO S^T + dA K: acc = dO S^T, its rows x scale e^gamma 2^ea,
+        // + dA'' K, x 2^-ea (rows past the end not stored).
+        {
+          Tensor rO = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::TokD_K{}));
+          Tensor rSt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
+          gemm_sync(mmaQ, rO, rSt, acc, GMMA::ScaleOut::Zero);
+        }
+        {
+          const int r0 = get<0>(cY(0));
+          const float f0 = r0 < len ? p.scale * eg[r0] * fa : 0.f, f1 = r0 + 8 < len ? p.scale * eg[r0 + 8] * fa : 0.f;
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc); ++e) acc(e) *= acc_half(e) ? f1 : f0;
+        }
+        {
+          Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_K{}));
+          Tensor rKt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::DTok_MN{}));
+          gemm_sync(mmaQ, rA, rKt, acc, GMMA::ScaleOut::One);
+        }
+        mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
+        const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
+        T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
+        const float inv = pow2c(-ea);
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); e += 2) {
+          const int i = get<0>(cY(e)), d = get<1>(cY(e));
+          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(acc(e) * inv, acc(e + 1) * inv);
+        }
+      } else {
+        mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
+        mbar_arrive(d_free);
+        mbar_arrive(&empty[c % kStages]);
+      }
+      QLA_PHASE(7);
     }
-    QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' store, wait dSn', Kw + W' product, W' store)", 7, nch);
+    QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' + S' stores, wait dSn', W', Z + U'', dP dA dq)", 8, nch);
     return;
   }
 
@@ -460,8 +612,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const float sc = p.scale * pow2c(eg);
       scale_rows<T, H>(smem_u32(stb + Cfg::kQ), smem_u32(sm + Cfg::kQg), len, wt, [&](int row) { return egv[row] * sc; });
     }
-    // D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows.
+    // D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows, once
+    // A's dP has read the last one.
     int ed;
+    if (c > 0) mbar_wait(d_free, (c - 1) & 1);
     {
       const uint32_t src = smem_u32(stb + Cfg::kO), dst = smem_u32(sm + Cfg::kD);
       float m = 0.f;
@@ -482,8 +636,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const float sc = pow2c(ed);
       scale_rows<T, H>(src, dst, len, wt, [&](int) { return sc; });
     }
+    if (wt == 0) misc[kMiscEd] = ed;
     fence_async_smem();
     wg_bar(kBarStepS);  // Qg' and D' written by every thread before the product reads them
+    mbar_arrive(d_ready);
     scale_acc(gt.eG() * pow2c(eg + ed - a));
     mbar_arrive(&empty[c % kStages]);  // S's reads of the stage are done (D' and Qg' are S's own)
     QLA_PHASE(1);

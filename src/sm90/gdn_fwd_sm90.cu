@@ -644,6 +644,18 @@ BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   return l;
 }
 
+// The backward's four tensor maps (q, k, v, dO), encoded once per call and shared by its launches.
+struct BwdMaps {
+  CUtensorMap q, k, v, d_o;
+};
+Status make_bwd_maps(const GdnForwardParams& f, const TensorRef& d_o, BwdMaps& m) {
+  Status s = make_tile_map(&m.q, f.q, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.k, f.k, f.shape.num_qk_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.v, f.v, f.shape.num_v_heads, f.shape);
+  if (s.ok()) s = make_tile_map(&m.d_o, d_o, f.shape.num_v_heads, f.shape);
+  return s;
+}
+
 // The reverse passes of the fused backward's sequential kernel: unsplit, one launch; split (the
 // forward's plan), pass 0 (pieces 1 .. np - 1 alone, into the map slots), the transposed scan
 // (gdn_bwd_scan) and pass 1 (every piece from the gradient leaving it). The warm-up mirror where
@@ -709,13 +721,17 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
 
 // The reverse step (fused_step.cuh) in the same passes: dv (written in the pass that runs whole
 // pieces) out too.
+// frags: the states pass's S' fragments (fused_chunks.cuh's kFrag* layout); dq per value head.
 template <class T>
-Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
-                         const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
-                         const MutTensorRef& dv) {
-  RecParams rp = reverse_params(f, wl, tmq, tmk, tmdo, dht, dh0);
+Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const BwdMaps& maps,
+                         const TensorRef& dht, const MutTensorRef& dh0, const MutTensorRef& dv, const void* frags,
+                         const MutTensorRef& dq) {
+  RecParams rp = reverse_params(f, wl, maps.q, maps.k, maps.v, dht, dh0);
+  rp.tmdo = maps.d_o;
   rp.o = dv.data;
-  for (int i = 0; i < 3; ++i) rp.so[i] = dv.stride[i];
+  rp.dq = dq.data;
+  rp.grad_frags = const_cast<void*>(frags);
+  for (int i = 0; i < 3; ++i) { rp.so[i] = dv.stride[i]; rp.sdq[i] = dq.stride[i]; }
   rp.tiles_log2 = 0;  // one V tile of 128 per value head
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
@@ -729,18 +745,6 @@ Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const
 
 // Step 3: the gradients kernel over the chunk table and regions in wl's places, the T' images
 // tm and the fragments frags; dq, dk (summed over each value-head group), dv, dg, dbeta out.
-// The backward's four tensor maps (q, k, v, dO), encoded once per call and shared by its launches.
-struct BwdMaps {
-  CUtensorMap q, k, v, d_o;
-};
-Status make_bwd_maps(const GdnForwardParams& f, const TensorRef& d_o, BwdMaps& m) {
-  Status s = make_tile_map(&m.q, f.q, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&m.k, f.k, f.shape.num_qk_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&m.v, f.v, f.shape.num_v_heads, f.shape);
-  if (s.ok()) s = make_tile_map(&m.d_o, d_o, f.shape.num_v_heads, f.shape);
-  return s;
-}
-
 template <class T>
 Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const BwdMaps& maps, const void* frags,
                           const void* tm, const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv,
@@ -912,7 +916,7 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
 // Test builds only: the reverse step (launch_fused_step).
 template <class T>
 Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                   const MutTensorRef& dv) {
+                   const MutTensorRef& dv, const void* frags, const MutTensorRef& dq) {
   if (num_seqs(p) == 0) return Status::Ok();
   BwdLayout bl;
   BwdMaps maps;
@@ -920,7 +924,7 @@ Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const Tensor
   if (!s.ok()) return s;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_step)");
-  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, dht, dh0, dv);
+  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, frags, dq);
 }
 
 // Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
@@ -990,11 +994,11 @@ Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* t
                                        : launch_states<cutlass::half_t>(p, grad_frags, tm);
 }
 Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                           const MutTensorRef& dv) {
+                           const MutTensorRef& dv, const void* frags, const MutTensorRef& dq) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv)
-                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv);
+  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, frags, dq)
+                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, frags, dq);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

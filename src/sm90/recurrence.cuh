@@ -64,6 +64,11 @@ struct RecParams {
   // null: none stored): the lean kernel's states role leaves each chunk's entering state there,
   // the reverse chain (fused_reverse.cuh) its dSn' and dU'.
   void* grad_frags;
+  // The fused backward's reverse step (fused_step.cuh): dq per value head ((b, t, value head, d),
+  // q's dtype; null: not formed), summed over each group after it.
+  void* dq;
+  int64_t sdq[3];
+  CUtensorMap tmdo;  // the reverse step: dO's tensor map (tmv is v's there)
 };
 
 // The piece plan a pass or the scan splits by.

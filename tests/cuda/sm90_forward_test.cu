@@ -55,9 +55,10 @@ qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::Te
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
 // The fused backward's reverse step (fused_step.cuh): d_o and d(final state) in, d(initial
-// state) and dv out.
+// state), dv and dq per value head out; frags: the states pass's S' (test_run_states_pass).
 qla::Status test_run_fused_step(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
-                                const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv);
+                                const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv, const void* frags,
+                                const qla::MutTensorRef& dq);
 // The backward's states pass (build step 3): each chunk's entering state into grad_frags, the
 // final state into p.final_state.
 qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags, void* tm = nullptr);  // tm: T' images
@@ -1011,62 +1012,6 @@ static bool check_reverse(const Case& c, uint64_t seed, cudaStream_t stream, int
   return ok;
 }
 
-// The reverse step (src/sm90/fused_step.cuh): d(initial state) and dv against the fp64
-// token-by-token reverse (v plays dO, the initial state's buffer d(final state)), into poisoned
-// buffers (every element written), bitwise repeatable.
-static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
-  Problem P = make_problem(c);
-  make_inputs(P, seed);
-  Dev D;
-  setup(P, D, stream);
-  upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
-  const Case& cc = P.c;  // (T filled in for varlen)
-  const size_t n_v = static_cast<size_t>(cc.B * cc.T * cc.HV * V);
-  void* dv = nullptr;
-  CK(cudaMalloc(&dv, std::max<size_t>(1, n_v) * 2));
-  qla::MutTensorRef dvr;
-  dvr.data = dv;
-  dvr.dtype = cc.qdt;
-  dvr.stride[0] = cc.T * cc.HV * V;
-  dvr.stride[1] = cc.HV * V;
-  dvr.stride[2] = V;
-  qla::MutTensorRef dh0;
-  dh0.data = D.p.final_state.data;
-  dh0.dtype = DType::kFloat32;
-  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-  std::vector<float> h[2];
-  std::vector<uint16_t> hv16[2];
-  qla::Status s;
-  for (int call = 0; call < 2; ++call) {
-    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
-    CK(cudaMemset(D.hT, 0xFF, P.N * cc.HV * 128 * state_row_pitch() * 4));
-    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr);
-    if (!s.ok()) break;
-    CK(cudaStreamSynchronize(stream));
-    h[call].resize(P.N * cc.HV * 128 * state_row_pitch());
-    hv16[call].resize(n_v);
-    CK(cudaMemcpy(h[call].data(), D.hT, h[call].size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(hv16[call].data(), dv, n_v * 2, cudaMemcpyDeviceToHost));
-  }
-  CK(cudaFree(dv));
-  if (!s.ok()) { std::printf("%-34s reverse step: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
-  std::vector<double> ref;
-  ChunkGrads cg;
-  reference_reverse(P, ref, &cg);
-  Err err;
-  state_errors(P, h[0], ref, err);
-  L2 ev;
-  for (size_t i = 0; i < n_v; ++i) ev.add(from16(hv16[0][i], cc.qdt), cg.dv[i]);
-  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hv16[0] == hv16[1];
-  const bool nan = err.nan || ev.nan;
-  const bool ok = !nan && same && err.h <= 3e-3 && ev.rel() <= 4e-3;
-  std::printf("step %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e dv %.3e%s%s  %s\n", c.name.c_str(), (long long)P.N,
-              (long long)cc.T, (long long)cc.H, (long long)cc.HV, err.h, ev.rel(), nan ? " NaN" : "",
-              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
-  free_dev(D);
-  return ok;
-}
-
 // The backward's states pass (the forward's launch with a StatesPass: the lean kernel's states
 // role, split where the forward's plan splits): each chunk's entering state S' against the fp64
 // forward's, and the final state; poisoned buffers, bitwise repeatable.
@@ -1341,6 +1286,93 @@ static bool check_grads(const Case& case_, uint64_t seed, cudaStream_t stream) {
   return ok;
 }
 
+// The reverse step (src/sm90/fused_step.cuh) after the states pass: d(initial state), dv and dq
+// (per value head, summed over each group here) against the fp64 references (v plays dO, the
+// initial state's buffer d(final state)), into poisoned buffers (every element written),
+// bitwise repeatable.
+static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);  // (poisons the final state's buffer and the workspace)
+  const Case& cc = P.c;  // (T filled in for varlen)
+  const size_t n_v = static_cast<size_t>(cc.B * cc.T * cc.HV * V);
+  void* dv = nullptr;
+  CK(cudaMalloc(&dv, std::max<size_t>(1, n_v) * 2));
+  qla::MutTensorRef dvr;
+  dvr.data = dv;
+  dvr.dtype = cc.qdt;
+  dvr.stride[0] = cc.T * cc.HV * V;
+  dvr.stride[1] = cc.HV * V;
+  dvr.stride[2] = V;
+  qla::MutTensorRef dh0;
+  dh0.data = D.p.final_state.data;
+  dh0.dtype = DType::kFloat32;
+  for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  // dq per value head (the host sums each group), and the states pass's S' fragments.
+  const size_t n_dq = static_cast<size_t>(cc.B * cc.T * cc.HV * K);
+  void *dq = nullptr, *frags = nullptr;
+  CK(cudaMalloc(&dq, std::max<size_t>(1, n_dq) * 2));
+  const size_t frag_bytes = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * cc.HV)) * qla::sm90::test_fragment_layout(6);
+  CK(cudaMalloc(&frags, frag_bytes));
+  qla::MutTensorRef dqr = dvr;
+  dqr.data = dq;
+  std::vector<float> h[2];
+  std::vector<uint16_t> hv16[2], hq16[2];
+  qla::Status s;
+  for (int call = 0; call < 2; ++call) {
+    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
+    CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, n_dq) * 2));
+    CK(cudaMemset(frags, 0x7F, frag_bytes));
+    s = qla::sm90::test_run_states_pass(D.p, frags);  // (and the table, regions and maps the step reads)
+    if (!s.ok()) break;
+    CK(cudaMemset(D.hT, 0xFF, P.N * cc.HV * 128 * state_row_pitch() * 4));
+    qla::sm90::set_test_reverse_maps_ready(1);
+    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, frags, dqr);
+    qla::sm90::set_test_reverse_maps_ready(0);
+    if (!s.ok()) break;
+    CK(cudaStreamSynchronize(stream));
+    h[call].resize(P.N * cc.HV * 128 * state_row_pitch());
+    hv16[call].resize(n_v);
+    hq16[call].resize(n_dq);
+    CK(cudaMemcpy(h[call].data(), D.hT, h[call].size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hv16[call].data(), dv, n_v * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hq16[call].data(), dq, n_dq * 2, cudaMemcpyDeviceToHost));
+  }
+  CK(cudaFree(dv));
+  CK(cudaFree(dq));
+  CK(cudaFree(frags));
+  if (!s.ok()) { std::printf("%-34s reverse step: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  std::vector<double> ref;
+  ChunkGrads cg;
+  reference_reverse(P, ref, &cg);
+  Err err;
+  state_errors(P, h[0], ref, err);
+  L2 ev, eq;
+  for (size_t i = 0; i < n_v; ++i) ev.add(from16(hv16[0][i], cc.qdt), cg.dv[i]);
+  {  // dq: each group's value heads summed here, against the full reference (v plays dO)
+    FullGrads G;
+    reference_backward(P, P.v, G);
+    const int64_t grp = cc.HV / cc.H;
+    for (int64_t t = 0; t < cc.B * cc.T; ++t)
+      for (int64_t hq = 0; hq < cc.H; ++hq)
+        for (int d = 0; d < K; ++d) {
+          double x = 0;
+          for (int64_t g2 = 0; g2 < grp; ++g2) x += from16(hq16[0][(t * cc.HV + hq * grp + g2) * K + d], cc.qdt);
+          eq.add(x, G.dq[(t * cc.H + hq) * K + d]);
+        }
+  }
+  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hv16[0] == hv16[1] && hq16[0] == hq16[1];
+  const bool nan = err.nan || ev.nan || eq.nan;
+  const bool ok = !nan && same && err.h <= 3e-3 && ev.rel() <= 4e-3 && eq.rel() <= 4e-3;
+  std::printf("step %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e dv %.3e dq %.3e%s%s  %s\n", c.name.c_str(),
+              (long long)P.N, (long long)cc.T, (long long)cc.H, (long long)cc.HV, err.h, ev.rel(), eq.rel(),
+              nan ? " NaN" : "", same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  free_dev(D);
+  return ok;
+}
+
 static std::vector<Case> reverse_cases() {
   std::vector<Case> r;
   auto add = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) -> Case& {
@@ -1461,34 +1493,41 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
     tf[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt, frags); });
   }
   CK(cudaFree(frags));
-  double tstep = 0;  // the reverse step (chain + dv in one kernel; fused_step.cuh)
+  double tstep = 0;  // the reverse step alone (fused_step.cuh: chain, dv, dq), after a states pass
   {
-    void* dv = nullptr;
+    void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
     CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
-    qla::MutTensorRef dvr, dh0;
+    CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
+    CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
+    qla::MutTensorRef dvr, dqr, dh0;
     dvr.data = dv;
     dvr.dtype = P.c.qdt;
     dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
+    dqr = dvr;
+    dqr.data = dq;
     dh0.data = D.p.final_state.data;
     dh0.dtype = DType::kFloat32;
     for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-    auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr); };
-    qla::Status s = step();
+    qla::Status s = qla::sm90::test_run_states_pass(D.p, sfr);
+    qla::sm90::set_test_reverse_maps_ready(1);
+    auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr); };
+    if (s.ok()) s = step();
     CK(cudaStreamSynchronize(stream));
     if (s.ok()) tstep = median_ms(stream, 20, [&] { (void)step(); });
     else std::printf("bench reverse step %s: %s\n", c.name.c_str(), s.message().c_str());
-    CK(cudaFree(dv));
+    qla::sm90::set_test_reverse_maps_ready(0);
+    for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
   }
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
   const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
   CK(cudaFree(regions));
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
-              "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f); step (chain + dv) %8.1f us, "
-              "%.2f per chunk\n", c.name.c_str(), (long long)P.N,
+              "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f); step (chain, dv, dq; alone) "
+              "%8.1f us, %.2f per chunk\n", c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, t[0] * 1e3, t[1] * 1e3, tinv * 1e3,
               (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3,
-              tstep * 1e3, (tstep - tinv) * 1e3 / double(chunks));
+              tstep * 1e3, tstep * 1e3 / double(chunks));
   free_dev(D);
 }
 #endif
@@ -1576,23 +1615,35 @@ int main(int argc, char** argv) {
     qla::sm90::test_print_phases();
 #endif
     std::printf("reverse profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
-    {  // the reverse step of the same row (chain + dv), its own phase records
-      void* dv = nullptr;
+    {  // the reverse step of the same row (chain, dv, dq; after a states pass), its own phase records
+      const int64_t chunks = (P.c.T + 63) / 64;
+      void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
       CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
-      qla::MutTensorRef dvr, dh0;
+      CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
+      CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
+      qla::MutTensorRef dvr, dqr, dh0;
       dvr.data = dv;
       dvr.dtype = P.c.qdt;
       dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
+      dqr = dvr;
+      dqr.data = dq;
       dh0.data = D.p.final_state.data;
       dh0.dtype = DType::kFloat32;
       for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-      const qla::Status st = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr);
+      qla::Status st = qla::sm90::test_run_states_pass(D.p, sfr);
       CK(cudaStreamSynchronize(stream));
+#ifdef QLA_FUSED_PROFILE
+      qla::sm90::test_print_phases();  // (the states pass's records, cleared)
+#endif
+      qla::sm90::set_test_reverse_maps_ready(1);
+      if (st.ok()) st = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr);
+      CK(cudaStreamSynchronize(stream));
+      qla::sm90::set_test_reverse_maps_ready(0);
 #ifdef QLA_FUSED_PROFILE
       qla::sm90::test_print_phases();
 #endif
       std::printf("step profile %s: %s\n", c.name.c_str(), st.ok() ? "ok" : st.message().c_str());
-      CK(cudaFree(dv));
+      for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
     }
     free_dev(D);
     return s.ok() ? 0 : 1;
