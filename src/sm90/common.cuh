@@ -227,26 +227,41 @@ __device__ __forceinline__ void phase_add(int slot, int k, long long cycles) {
                : "memory");
 }
 // ph_slot: the record of this thread (thread 0 of a warpgroup of CTA 0), else kPhaseRecords.
-#define QLA_PHASES(n)                                                                                  \
+// QLA_PHASES_SMEM(n, slots): the sums kept in n shared-memory slots of the thread's own and sent
+// to the record at QLA_PHASES_PRINT. For kernels that fence shared memory for the async proxy:
+// the fence (MEMBAR.ALL.CTA) waits for the thread's reductions in flight, which then counted in
+// every phase with a fence.
+#define QLA_PHASES_SMEM(n, slots)                                                                       \
   static_assert((n) <= kPhaseMax, "too many phases");                                                  \
   const int ph_slot = (threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0                   \
                           ? min(atomicAdd(&g_phase_count, 1), kPhaseRecords)                           \
                           : kPhaseRecords;                                                             \
+  unsigned long long* const ph_sm = (slots);                                                           \
+  if (ph_slot < kPhaseRecords && ph_sm)                                                                \
+    for (int k_ = 0; k_ < (n); ++k_) ph_sm[k_] = 0;                                                    \
   long long ph_p = clock64()
-#define QLA_PHASE(k)                                                \
-  do {                                                              \
-    const long long t_ = clock64();                                 \
-    if (ph_slot < kPhaseRecords) phase_add(ph_slot, (k), t_ - ph_p); \
-    ph_p = t_;                                                      \
+#define QLA_PHASES(n) QLA_PHASES_SMEM(n, nullptr)
+#define QLA_PHASE(k)                                                   \
+  do {                                                                 \
+    const long long t_ = clock64();                                    \
+    if (ph_slot < kPhaseRecords) {                                     \
+      if (ph_sm)                                                       \
+        ph_sm[(k)] += static_cast<unsigned long long>(t_ - ph_p);      \
+      else                                                             \
+        phase_add(ph_slot, (k), t_ - ph_p);                            \
+    }                                                                  \
+    ph_p = t_;                                                         \
   } while (0)
-#define QLA_PHASES_PRINT(what_, n, nch)                  \
-  do {                                                   \
-    if (ph_slot < kPhaseRecords) {                       \
-      g_phase_records[ph_slot].what = what_;             \
-      g_phase_records[ph_slot].wg = int(threadIdx.x >> 7); \
-      g_phase_records[ph_slot].phases = (n);             \
-      g_phase_records[ph_slot].chunks = (nch);           \
-    }                                                    \
+#define QLA_PHASES_PRINT(what_, n, nch)                                         \
+  do {                                                                          \
+    if (ph_slot < kPhaseRecords) {                                              \
+      if (ph_sm)                                                                \
+        for (int k_ = 0; k_ < (n); ++k_) phase_add(ph_slot, k_, ph_sm[k_]);     \
+      g_phase_records[ph_slot].what = what_;                                    \
+      g_phase_records[ph_slot].wg = int(threadIdx.x >> 7);                      \
+      g_phase_records[ph_slot].phases = (n);                                    \
+      g_phase_records[ph_slot].chunks = (nch);                                  \
+    }                                                                           \
   } while (0)
 // Prints the records (a record's sums over its chunks, divided by them) and clears them.
 __global__ void print_phase_records() {
@@ -261,12 +276,13 @@ __global__ void print_phase_records() {
   }
   g_phase_count = 0;
 }
-#define QLA_PHASE_ARGS , int ph_slot, long long& ph_p
-#define QLA_PHASE_PASS , ph_slot, ph_p
+#define QLA_PHASE_ARGS , int ph_slot, long long& ph_p, unsigned long long* ph_sm
+#define QLA_PHASE_PASS , ph_slot, ph_p, ph_sm
 #else
 #define QLA_PHASE_ARGS
 #define QLA_PHASE_PASS
 #define QLA_PHASES(n) do {} while (0)
+#define QLA_PHASES_SMEM(n, slots) do {} while (0)
 #define QLA_PHASE(k) do {} while (0)
 #define QLA_PHASES_PRINT(what, n, nch) do {} while (0)
 #endif

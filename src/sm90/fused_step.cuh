@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor tU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kU)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
-    QLA_PHASES(8);
+    QLA_PHASES_SMEM(8, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 256));
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
-    QLA_PHASES(8);
+    QLA_PHASES_SMEM(8, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(dsn_ready);
   };
   publish_dsn();
-  QLA_PHASES(6);
+  QLA_PHASES_SMEM(6, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 416));
   for (int c = 0; c < nch; ++c) {
     uint8_t* stb = stage(c);
     const StepGates gt(stb);
