@@ -1475,6 +1475,35 @@ static void bench_grads(const Case& c, cudaStream_t stream, bool profile = false
   free_dev(D);
 }
 
+// The reverse step's outputs (dv, dq per value head, d(initial state) into final_state's memory)
+// and the states pass's fragments for a bench row; freed with it.
+struct StepBuffers {
+  void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
+  qla::MutTensorRef dvr, dqr, dh0;
+  StepBuffers(const Problem& P, const Case& c, const Dev& D) {
+    const int64_t chunks = (P.c.T + 63) / 64;
+    CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
+    CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
+    CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
+    dvr.data = dv;
+    dvr.dtype = P.c.qdt;
+    dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
+    dqr = dvr;
+    dqr.data = dq;
+    dh0.data = D.p.final_state.data;
+    dh0.dtype = DType::kFloat32;
+    for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
+  }
+  StepBuffers(const StepBuffers&) = delete;
+  StepBuffers& operator=(const StepBuffers&) = delete;
+  ~StepBuffers() {
+    for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
+  }
+  qla::Status run(const Dev& D) const {
+    return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr);
+  }
+};
+
 // The reverse chain's time (chunk table + inverse kernel + the chain), bench inputs.
 static void bench_reverse(const Case& c, cudaStream_t stream) {
   Problem P = make_problem(c);
@@ -1495,28 +1524,15 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   CK(cudaFree(frags));
   double tstep = 0;  // the reverse step alone (fused_step.cuh: chain, dv, dq), after a states pass
   {
-    void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
-    CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
-    CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
-    CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
-    qla::MutTensorRef dvr, dqr, dh0;
-    dvr.data = dv;
-    dvr.dtype = P.c.qdt;
-    dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
-    dqr = dvr;
-    dqr.data = dq;
-    dh0.data = D.p.final_state.data;
-    dh0.dtype = DType::kFloat32;
-    for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-    qla::Status s = qla::sm90::test_run_states_pass(D.p, sfr);
+    StepBuffers b(P, c, D);
+    qla::Status s = qla::sm90::test_run_states_pass(D.p, b.sfr);
     qla::sm90::set_test_reverse_maps_ready(1);
-    auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr); };
+    auto step = [&] { return b.run(D); };
     if (s.ok()) s = step();
     CK(cudaStreamSynchronize(stream));
     if (s.ok()) tstep = median_ms(stream, 20, [&] { (void)step(); });
     else std::printf("bench reverse step %s: %s\n", c.name.c_str(), s.message().c_str());
     qla::sm90::set_test_reverse_maps_ready(0);
-    for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
   }
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
@@ -1616,34 +1632,20 @@ int main(int argc, char** argv) {
 #endif
     std::printf("reverse profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
     {  // the reverse step of the same row (chain, dv, dq; after a states pass), its own phase records
-      const int64_t chunks = (P.c.T + 63) / 64;
-      void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
-      CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
-      CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
-      CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
-      qla::MutTensorRef dvr, dqr, dh0;
-      dvr.data = dv;
-      dvr.dtype = P.c.qdt;
-      dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
-      dqr = dvr;
-      dqr.data = dq;
-      dh0.data = D.p.final_state.data;
-      dh0.dtype = DType::kFloat32;
-      for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-      qla::Status st = qla::sm90::test_run_states_pass(D.p, sfr);
+      StepBuffers b(P, c, D);
+      qla::Status st = qla::sm90::test_run_states_pass(D.p, b.sfr);
       CK(cudaStreamSynchronize(stream));
 #ifdef QLA_FUSED_PROFILE
       qla::sm90::test_print_phases();  // (the states pass's records, cleared)
 #endif
       qla::sm90::set_test_reverse_maps_ready(1);
-      if (st.ok()) st = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr);
+      if (st.ok()) st = b.run(D);
       CK(cudaStreamSynchronize(stream));
       qla::sm90::set_test_reverse_maps_ready(0);
 #ifdef QLA_FUSED_PROFILE
       qla::sm90::test_print_phases();
 #endif
       std::printf("step profile %s: %s\n", c.name.c_str(), st.ok() ? "ok" : st.message().c_str());
-      for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
     }
     free_dev(D);
     return s.ok() ? 0 : 1;
