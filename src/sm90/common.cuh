@@ -193,6 +193,16 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
           "r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// L2 prefetches of what a later load will bring (a tensor map's box; bytes from src, a multiple
+// of 16): the load then waits on L2, not on HBM.
+__device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 // 16-byte shared load (a broadcast here). Written out because the compiler otherwise splits
 // the substitution's row reads into four scalar LDS, four times the shared-memory instructions.
 __device__ __forceinline__ float4 lds128(uint32_t addr) {

@@ -625,6 +625,29 @@ __device__ __forceinline__ void store_fragments(const R16& r16, uint8_t* dst, in
   }
 }
 
+// RecParams::grad_simg is set: per (chunk, value head) region, the state entering the chunk as
+// S^T (v, d) in the input type, laid out as the reverse step's shared-memory tile (QK_K: two
+// 64-column boxes of 128 rows of 128 bytes, the 128-byte swizzle moving 16-byte runs within a row
+// by row % 8) so that one bulk copy brings it in; no unit goes with it. Written from the states
+// role's fp16 copy in row units (the values the fragments hold, unscaled). The accumulator's
+// element pair (2e, 2e + 1) of n8 block j = e / 2 sits at rows r0, r0 + 8 (acc_half), columns
+// 8 j + 2 (lane % 4) + {0, 1}.
+constexpr uint32_t kSImgBytes = kDV * kDK * 2;
+template <class T, class R16>
+__device__ __forceinline__ void store_state_image(const R16& r16, uint8_t* img, int v0, int wt, const int (&esc)[2]) {
+  static_assert(decltype(size(r16))::value == 64, "a 64 x 128 accumulator's fragments");
+  const int v = v0 + 16 * (wt >> 5) + ((wt & 31) >> 2);  // row r0 (r0 + 8: the same row % 8)
+  const float sc[2] = {pow2i(-esc[0]), pow2i(-esc[1])};
+  uint8_t* row = img + 128 * v + 4 * (wt & 3);
+  CUTE_UNROLL
+  for (int e = 0; e < 64; e += 2) {
+    const int j = e >> 2, h = acc_half(e);
+    const uint32_t off = 16384u * (j >> 3) + 1024u * h + 16u * ((j & 7) ^ (v & 7));
+    *reinterpret_cast<uint32_t*>(row + off) =
+        pack2<T>(static_cast<float>(r16(e)) * sc[h], static_cast<float>(r16(e + 1)) * sc[h]);
+  }
+}
+
 // The fragment block of (region, the 64 rows of v from v0), or null.
 __device__ __forceinline__ uint8_t* frag_block(const RecParams& p, size_t region, int v0) {
   return p.grad_frags ? static_cast<uint8_t*>(p.grad_frags) + region * kFragRegionBytes + (v0 / 64) * kFragBlockBytes
@@ -841,11 +864,15 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
     if constexpr (kLean) {
-      // The backward's states pass (RecParams::grad_frags): the state entering each chunk that
-      // has o, S' = rS16 in its row units, before the first product reads the registers.
-      if (role.out && c >= nwarm)
-        if (uint8_t* fb = frag_block(p, static_cast<size_t>(tile.ci0 + c0 + c) * p.HV + hv, v0))
+      // The backward's states pass (RecParams::grad_frags, grad_simg): the state entering each
+      // chunk that has o, S' = rS16 in its row units, before the first product reads the registers.
+      if (role.out && c >= nwarm) {
+        const size_t region = static_cast<size_t>(tile.ci0 + c0 + c) * p.HV + hv;
+        if (uint8_t* fb = frag_block(p, region, v0))
           store_fragments(rS16, fb + kFragS, wt, reinterpret_cast<int*>(fb + kFragEscS), get<0>(cS(0)), esc);
+        if (p.grad_simg && v0 < kDV)
+          store_state_image<T>(rS16, static_cast<uint8_t*>(p.grad_simg) + region * kSImgBytes, v0, wt, esc);
+      }
       // Y^T = S^T K^T, Z^T = V^T - Y^T diag(e^gamma), U^T = Z^T Tu^T (N = 64 each: K's and Tu's
       // rows of the stacked operands), X^T = U^T diag(e^(Gamma - gamma)), S^T = e^Gamma S^T + X^T K.
       auto mmaL = make_tiled_mma(SM90_64x64x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});

@@ -1,8 +1,8 @@
 // The fused backward's reverse step (docs/backward.md "The fused reverse step"): one CTA per
 // (sequence or piece, value head) at V tile 128 walks the chunks last to first and, per chunk,
 // runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
-// shared memory once (single-stage tiles between the roles, a two-stage ring for the inputs).
-// Built in steps; this one (build step 2): the chain and dv.
+// shared memory once (single-stage tiles between the roles and, with dq, one input stage).
+// Built in steps; this one: the chain, dv and dq (dk, dg, dbeta still in the gradients kernel).
 //
 // Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
 // leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
@@ -10,8 +10,9 @@
 // W = Tu diag(e^gamma) K):
 //   dU = Kd dSn + Pg^T dO,   dS = e^Gamma dSn + Qg^T dO - W^T dU,   dv = Tu^T dU.
 // Roles (warpgroups; one-way hand-overs by mbarriers, no CTA barrier in the loop):
-//   P (WG0, one thread): q, k, dO (two 64-column boxes each) and the region's Tu' image and gates
-//      (inverse.cuh) into a two-stage ring, chunks in reverse order.
+//   P (WG0, one thread): q, k, v, dO (two 64-column boxes each) and the region's Tu' image and
+//      gates (inverse.cuh) into the stage ring, chunks in reverse order; for the chunks whose
+//      gradients are formed, the states pass's S' image (one bulk copy into its own tile).
 //   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
 //      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens).
 //   K (WG2): dU' (fp16 tile) from the register operand Kd' and the two tiles; dv -> global.
@@ -51,8 +52,8 @@ struct StepCfg {
   static constexpr uint32_t kGates = kTu + kImgTokTok * 2;
   static constexpr uint32_t kStageBytes = kGates + 1024;
   static constexpr uint32_t kTx = 4 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
-  // Tiles between the roles, one of each: S' (v, d) in the input type (A, from the states pass's
-  // fragments), Pg'' then dA (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg' (i, d)
+  // Tiles between the roles, one of each: S' (v, d) in the input type (the states pass's image,
+  // loaded by P for A), Pg'' then dA (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg' (i, d)
   // and D' (i, v), A's Z' then U'' (tok, v); then the scalars (units, reductions, mbarriers).
   static constexpr uint32_t kS = kStages * kStageBytes;
   static constexpr uint32_t kPg = kS + 2 * kQKBytes;
@@ -64,8 +65,8 @@ struct StepCfg {
   static constexpr uint32_t kU = kD + kQKBytes;
   static constexpr uint32_t kMisc = kU + kQKBytes;
   static constexpr uint32_t kBar = kMisc + 512;
-  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free
-  static constexpr int kBars = 2 * kStages + 6;
+  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready
+  static constexpr int kBars = 2 * kStages + 9;
   static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
   static_assert(kBars * 8 <= 128, "the mbarriers over their part");
@@ -73,7 +74,7 @@ struct StepCfg {
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
-enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3 };  // en; ep; en + eu; ed
+enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4 };  // en; ep; en + eu; ed; U'''s units
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
@@ -158,6 +159,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* du_ready = w_ready + 1;       // K: dU' and its units (and K's reads of Pg'' and dSn')
   uint64_t* d_ready = du_ready + 1;       // S: D' and ed
   uint64_t* d_free = d_ready + 1;         // A: its read of D' (dP) done
+  uint64_t* s_full = d_free + 1;          // P: the S' image of the chunk loaded (chunks with gradients)
+  uint64_t* s_empty = s_full + 1;         // A and K: their reads of S' done
+  uint64_t* u_ready = s_empty + 1;        // K: U'' and its units (chunks with gradients)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -171,6 +175,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       mbar_init(&empty[s], 3 * 128);
     }
     for (int b = 0; b < 6; ++b) mbar_init(dsn_ready + b, 128);
+    mbar_init(s_full, 1);
+    mbar_init(s_empty, 2 * 128);
+    mbar_init(u_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -183,6 +190,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   auto stage = [&](int c) { return sm + (c % kStages) * Cfg::kStageBytes; };
   auto sparity = [&](int c) { return static_cast<uint32_t>((c / kStages) & 1); };
   auto chunk_len = [&](int c) { return static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC)); };
+  // Whether loop step c forms the chunk's gradients (dq; dv is stored by the same rule).
+  auto step_grads = [&](int c) { return role.out && c >= role.nwarm && p.dq && p.grad_simg; };
 
   if (wg == 0) {
     // ---------------- P: the loads ----------------
@@ -192,8 +201,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     for (int c = 0; c < nch; ++c) {
       const int st = c % kStages, cc = chunk_of(c);
       const int tok = static_cast<int>(tile.t0) + cc * kC;
-      const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + (static_cast<size_t>(tile.ci0 + cc) * p.HV + tile.hv) * kInvRegionBytes;
+      const size_t region = static_cast<size_t>(tile.ci0 + cc) * p.HV + tile.hv;
+      const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + region * kInvRegionBytes;
       uint8_t* dst = stage(c);
+      if (step_grads(c)) {  // the S' image first: A releases it before the stage
+        mbar_wait(s_empty, ((c - role.nwarm) & 1) ^ 1);
+        mbar_expect_tx(s_full, kSImgBytes);
+        bulk_g2s(sm + Cfg::kS, static_cast<const uint8_t*>(p.grad_simg) + region * kSImgBytes, kSImgBytes, s_full);
+      }
       mbar_wait(&empty[st], sparity(c) ^ 1);
       mbar_expect_tx(&full[st], Cfg::kTx);
       CUTE_UNROLL
@@ -205,29 +220,40 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, &full[st]);
       bulk_g2s(dst + Cfg::kGates, reg + kInvGam, kInvGateCopy, &full[st]);
+      if (c + 1 < nch) {  // the next chunk's inputs into L2 while this one runs (its loads wait for the stage)
+        const int tn = tok - kC;
+        const uint8_t* rn = reg - static_cast<size_t>(p.HV) * kInvRegionBytes;
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          tma_prefetch_4d(&p.tmq, h * 64, hq, tn, bb);
+          tma_prefetch_4d(&p.tmk, h * 64, hq, tn, bb);
+          tma_prefetch_4d(&p.tmv, h * 64, tile.hv, tn, bb);
+          tma_prefetch_4d(&p.tmdo, h * 64, tile.hv, tn, bb);
+        }
+        bulk_prefetch_l2(rn + kInvImg, kImgTokTok * 2);
+        bulk_prefetch_l2(rn + kInvGam, kInvGateCopy);
+        if (step_grads(c + 1))
+          bulk_prefetch_l2(static_cast<const uint8_t*>(p.grad_simg) + (region - p.HV) * kSImgBytes, kSImgBytes);
+      }
     }
     return;
   }
 
   if (wg == 1) {
-    // ---------------- A: Pg'' and W' for the chain; S', U, dP, dA and dq ----------------
+    // ---------------- A: Pg'' and W' for the chain; dP, dA and dq ----------------
     set_role_registers<Cfg::kRegs[1], Cfg::kEntryRegs>();
     auto mmaP = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
-    auto mmaY = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto mmaDP = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto mmaQ = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto thrP = mmaP.get_thread_slice(wt);
     auto thrW = mmaW.get_thread_slice(wt);
-    auto thrY = mmaY.get_thread_slice(wt);
     auto thrDP = mmaDP.get_thread_slice(wt);
     auto thrQ = mmaQ.get_thread_slice(wt);
     Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (i, j)
-    Tensor cY = thrY.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, v | d)
+    Tensor cY = thrQ.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, d)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
-    Tensor tS = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kS)), QK_K{});  // (v, d)
-    Tensor tU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kU)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
     QLA_PHASES_SMEM(8, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 256));
@@ -235,7 +261,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
       const int len = chunk_len(c);
-      const bool grads = role.out && c >= role.nwarm && dq && p.grad_frags;  // (the gradients of this chunk)
+      const bool grads = step_grads(c);  // (the gradients of this chunk)
       mbar_wait(&full[c % kStages], sparity(c));
       QLA_PHASE(0);
       // P = Q K^T (raw inputs), under the bound of the unit of Pg''.
@@ -250,13 +276,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1025 (|2^ek k|, |2^eq q| < 2^(1/2) x 1.05).
       const int ep = step_unit(fabsf(p.scale) * 2.25f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
-      if (len < kC) {  // dO's and v's rows past the end: zeros (read raw by products; 0 x NaN would be NaN)
+      if (len < kC) {  // dO's rows past the end: zeros (read raw by products; 0 x NaN would be NaN)
         CUTE_UNROLL
         for (int r = 0; r < 8; ++r)
-          if (run_row(run_byte(wt, r)) >= len) {
-            sts128(smem_u32(stb + Cfg::kO) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
-            sts128(smem_u32(stb + Cfg::kV) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
-          }
+          if (run_row(run_byte(wt, r)) >= len) sts128(smem_u32(stb + Cfg::kO) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accP);
@@ -276,29 +299,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
       mbar_arrive(pg_ready);
-      // S' = the states pass's S'^T fragments without their row units, in the input type.
-      if (grads) {
-        const uint8_t* fr = static_cast<const uint8_t*>(p.grad_frags) +
-                            (static_cast<size_t>(tile.ci0 + chunk_of(c)) * p.HV + tile.hv) * kFragRegionBytes;
-        const int r0 = get<0>(cY(0));
-        CUTE_UNROLL
-        for (int b = 0; b < 2; ++b) {
-          const uint8_t* blk = fr + b * kFragBlockBytes;
-          const int* esc = reinterpret_cast<const int*>(blk + kFragEscS);
-          const float sc[2] = {pow2c(-esc[r0]), pow2c(-esc[r0 + 8])};
-          uint32_t w[32];
-          CUTE_UNROLL
-          for (int i = 0; i < 8; ++i) {
-            const uint4 u = *reinterpret_cast<const uint4*>(blk + kFragS + 2048u * i + 16u * wt);
-            w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
-          }
-          Tensor tb = local_tile(tS, Shape<_64, _128>{}, make_coord(b, 0));
-          stmatrix_rows<128, T>(tb, wt, [&](int e) {
-            const uint16_t h = static_cast<uint16_t>((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu));
-            return static_cast<float>(H::bitcast(h)) * sc[acc_half(e)];
-          });
-        }
-      }
       QLA_PHASE(3);
       // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in the tile of W'; S's last product has
       // read the previous W' once dSn' of this chunk is ready.
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const float* eg = gt.eg();
         scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), len, wt, [&](int row) { return eg[row]; });
       }
-      fence_async_smem();  // (S' and Kw) before the products read them
+      fence_async_smem();  // (Kw) before the product reads it
       wg_bar(kBarStepA);   // Kw written by every thread before the product reads it
       Tensor accW = partition_fragment_C(mmaW, Shape<_64, _128>{});
       {
@@ -326,64 +326,35 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       mbar_arrive(w_ready);
       QLA_PHASE(5);
       if (grads) {
-        // Z = V - diag(e^gamma) K S (rows past the end zero), Z' = 2^ez Z (fp16) in the tile of U.
-        Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
+        // dq = scale diag(e^gamma) dO S^T + dA K: accQ = dO S^T first (it waits for S' alone), its
+        // rows x scale e^gamma 2^ea once dA's unit ea is known, + dA'' K, x 2^-ea at the store.
+        const int gi = c - role.nwarm;
+        mbar_wait(s_full, gi & 1);
+        Tensor accQ = partition_fragment_C(mmaQ, Shape<_64, _128>{});
         {
-          Tensor rK = thrY.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
-          Tensor rS = thrY.partition_fragment_B(tS);
-          gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
+          Tensor rO = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::TokD_K{}));
+          Tensor rSt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
+          gemm_sync(mmaQ, rO, rSt, accQ, GMMA::ScaleOut::Zero);
         }
-        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
-        const float* eg = gt.eg();
-        float m = 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); e += 2) {
-          const int i = get<0>(cY(e)), v = get<1>(cY(e));
-          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tV(i, v)));
-          acc(e) = i < len ? v2.x - eg[i] * acc(e) : 0.f;
-          acc(e + 1) = i < len ? v2.y - eg[i] * acc(e + 1) : 0.f;
-          m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
-        }
-        const int ez = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
-        {
-          const float f = pow2c(ez);
-          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
-        }
-        fence_async_smem();
-        wg_bar(kBarStepA);  // Z' written by every thread before the product reads it
-        // U'' = 2^eu Tu' Z' = 2^(eu + et + ez) diag(2^-ek) U, over Z' (fp16).
-        {
-          Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
-          Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
-          gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
-        }
-        m = 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
-        const int eu = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));  // (its barrier: every product has read Z')
-        {
-          const float f = pow2c(eu);
-          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
-        }
-        fence_async_smem();
-        wg_bar(kBarStepA);  // U'' written by every thread
+        mbar_arrive(s_empty);  // A's reads of S' are done
         QLA_PHASE(6);
-        // dP'' = D' U''^T = 2^(ed + eut) dO U^T diag(2^-ek), eut = eu + et + ez.
+        // dP'' = D' U''^T = 2^(ed + eut) dO U^T diag(2^-ek), with U'' = 2^eut diag(2^-ek) U from K.
+        mbar_wait(u_ready, gi & 1);
         mbar_wait(d_ready, c & 1);
-        const int eut = eu + et + ez, ed = misc[kMiscEd];
+        const int eut = misc[kMiscEut], ed = misc[kMiscEd];
         Tensor accD = partition_fragment_C(mmaDP, Shape<_64, _64>{});
         {
           Tensor rD = thrDP.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokD_K{}));
           Tensor rU = thrDP.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::TokD_K{}));
           gemm_sync(mmaDP, rD, rU, accD, GMMA::ScaleOut::Zero);
         }
-        mbar_arrive(d_free);
+        mbar_arrive(d_free);  // (D' for S, U'' for K)
         // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
         // into the tile of Pg'' once K's product has read it.
+        float m = 0.f;
         {
           const float* gam = gt.gam();
           const int8_t* kexp = gt.kexp();
-          m = 0.f;
           CUTE_UNROLL
           for (int e = 0; e < size(accD); ++e) {
             const int i = get<0>(cP(e)), j = get<1>(cP(e));
@@ -398,32 +369,26 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         stmatrix_rows<64, T>(tPg, wt, [&](int e) { return accD(e) * fa; });
         fence_async_smem();
         wg_bar(kBarStepA);  // dA'' written by every thread
-        // dq = scale diag(e^gamma) dO S^T + dA K: acc = dO S^T, its rows x scale e^gamma 2^ea,
-        // + dA'' K, x 2^-ea (rows past the end not stored).
         {
-          Tensor rO = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::TokD_K{}));
-          Tensor rSt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
-          gemm_sync(mmaQ, rO, rSt, acc, GMMA::ScaleOut::Zero);
-        }
-        {
+          const float* eg = gt.eg();
           const int r0 = get<0>(cY(0));
           const float f0 = r0 < len ? p.scale * eg[r0] * fa : 0.f, f1 = r0 + 8 < len ? p.scale * eg[r0 + 8] * fa : 0.f;
           CUTE_UNROLL
-          for (int e = 0; e < size(acc); ++e) acc(e) *= acc_half(e) ? f1 : f0;
+          for (int e = 0; e < size(accQ); ++e) accQ(e) *= acc_half(e) ? f1 : f0;
         }
         {
           Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_K{}));
           Tensor rKt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::DTok_MN{}));
-          gemm_sync(mmaQ, rA, rKt, acc, GMMA::ScaleOut::One);
+          gemm_sync(mmaQ, rA, rKt, accQ, GMMA::ScaleOut::One);
         }
         mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
         const float inv = pow2c(-ea);
         CUTE_UNROLL
-        for (int e = 0; e < size(acc); e += 2) {
+        for (int e = 0; e < size(accQ); e += 2) {
           const int i = get<0>(cY(e)), d = get<1>(cY(e));
-          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(acc(e) * inv, acc(e + 1) * inv);
+          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(accQ(e) * inv, accQ(e + 1) * inv);
         }
       } else {
         mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
@@ -432,13 +397,19 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(7);
     }
-    QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' + S' stores, wait dSn', W', Z + U'', dP dA dq)", 8, nch);
+    QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' store, wait dSn', W', wait S' + dO S^T, wait U'' + dP dA dq)", 8, nch);
     return;
   }
 
   if (wg == 2) {
-    // ---------------- K: dU' and dv ----------------
+    // ---------------- K: U'' for A's dq; dU' and dv ----------------
     set_role_registers<Cfg::kRegs[2], Cfg::kEntryRegs>();
+    auto mmaY = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    auto thrY = mmaY.get_thread_slice(wt);
+    auto thrW = mmaW.get_thread_slice(wt);
+    Tensor tU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kU)), typename LH::TokD_K{});
+    int flip = 0;  // K's reductions
     auto mmaD = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});  // Kd' dSn' (B (v, d))
     auto mmaG = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
     auto mmaV = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
@@ -452,7 +423,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
-    QLA_PHASES_SMEM(8, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));
+    QLA_PHASES_SMEM(9, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 408, S's from + 416)
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
@@ -476,19 +447,68 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
         }
       }
+      QLA_PHASE(1);
+      if (step_grads(c)) {
+        // Z = V - diag(e^gamma) K S (rows past the end zero), Z' = 2^ez Z (fp16) in the tile of U
+        // once A's dP has read the last U''; U'' = 2^eu Tu' Z' = 2^(eu + et + ez) diag(2^-ek) U.
+        const int gi = c - role.nwarm;
+        mbar_wait(s_full, gi & 1);
+        Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
+        {
+          Tensor rK = thrY.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
+          Tensor rS = thrY.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{}));
+          gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
+        }
+        mbar_arrive(s_empty);  // K's read of S' is done
+        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
+        const float* eg = gt.eg();
+        float m = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); e += 2) {  // (v's rows past the end are selected away: they may be NaN)
+          const int i = get<0>(cK(e)), v = get<1>(cK(e));
+          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tV(i, v)));
+          acc(e) = i < len ? v2.x - eg[i] * acc(e) : 0.f;
+          acc(e + 1) = i < len ? v2.y - eg[i] * acc(e + 1) : 0.f;
+          m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
+        }
+        const int ez = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
+        {
+          const float f = pow2c(ez);
+          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
+        {
+          Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+          Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
+          gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
+        }
+        m = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
+        const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
+        {
+          const float f = pow2c(eu);
+          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+        }
+        if (wt == 0) misc[kMiscEut] = eu + gt.et() + ez;
+        fence_async_smem();
+        mbar_arrive(u_ready);
+      }
       // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
       Tensor accK = partition_fragment_C(mmaD, Shape<_64, _128>{});
-      QLA_PHASE(1);
-      mbar_wait(pg_ready, c & 1);
       QLA_PHASE(2);
+      mbar_wait(pg_ready, c & 1);
       const int ep = misc[kMiscEp];
+      QLA_PHASE(3);
       {
         Tensor rO = thrG.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::DTok_MN{}));
         gemm_sync(mmaG, rPgT, rO, accK, GMMA::ScaleOut::Zero);
       }
-      QLA_PHASE(3);
-      mbar_wait(dsn_ready, c & 1);
       QLA_PHASE(4);
+      mbar_wait(dsn_ready, c & 1);
+      QLA_PHASE(5);
       const int en = misc[kMiscEn];
       {
         const float f = pow2c(en - ep);
@@ -497,12 +517,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       warpgroup_fence_operand(rKd);
       gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
-      QLA_PHASE(5);
+      QLA_PHASE(6);
       // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready.
       float m = 0.f;
       CUTE_UNROLL
       for (int e = 0; e < size(accK); ++e) m = fmaxf(m, fabsf(accK(e)));
-      const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, c));
+      const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
       {
         const float f = pow2c(eu);
         stmatrix_rows<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
@@ -511,7 +531,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       fence_async_smem();
       wg_bar(kBarStepK);  // dU' written by every thread before the dv product reads it
       mbar_arrive(du_ready);
-      QLA_PHASE(6);
+      QLA_PHASE(7);
       // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
       Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
       {
@@ -529,9 +549,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.so[1] + v) = pack2<T>(accV(e) * dvsc, accV(e + 1) * dvsc);
         }
       }
-      QLA_PHASE(7);
+      QLA_PHASE(8);
     }
-    QLA_PHASES_PRINT("step K (wait, Kd', wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 8, nch);
+    QLA_PHASES_PRINT("step K (wait, Kd', wait S' + Z + U'', wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 9, nch);
     return;
   }
 

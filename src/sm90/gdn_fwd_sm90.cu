@@ -369,6 +369,7 @@ bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms)
 struct StatesPass {
   void* frags = nullptr;
   void* tm = nullptr;
+  void* simg = nullptr;  // the reverse step's state images (RecParams::grad_simg)
 };
 
 // The fused forward (docs/fused.md): the chunk table, the inverse kernel into `regions`
@@ -442,6 +443,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   if (states) {
     rp.o = nullptr;
     rp.grad_frags = states->frags;
+    rp.grad_simg = states->simg;
   }
   bool vt128 = fused_v_tile_128(p, N, HV, sms);
 #ifdef QLA_SM90_TEST_HOOKS
@@ -721,16 +723,16 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
 
 // The reverse step (fused_step.cuh) in the same passes: dv (written in the pass that runs whole
 // pieces) out too.
-// frags: the states pass's S' fragments (fused_chunks.cuh's kFrag* layout); dq per value head.
+// simg: the states pass's S' images (kSImgBytes per region); dq per value head.
 template <class T>
 Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const BwdMaps& maps,
-                         const TensorRef& dht, const MutTensorRef& dh0, const MutTensorRef& dv, const void* frags,
+                         const TensorRef& dht, const MutTensorRef& dh0, const MutTensorRef& dv, const void* simg,
                          const MutTensorRef& dq) {
   RecParams rp = reverse_params(f, wl, maps.q, maps.k, maps.v, dht, dh0);
   rp.tmdo = maps.d_o;
   rp.o = dv.data;
   rp.dq = dq.data;
-  rp.grad_frags = const_cast<void*>(frags);
+  rp.grad_simg = const_cast<void*>(simg);
   for (int i = 0; i < 3; ++i) { rp.so[i] = dv.stride[i]; rp.sdq[i] = dq.stride[i]; }
   rp.tiles_log2 = 0;  // one V tile of 128 per value head
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
@@ -867,7 +869,7 @@ Status test_backward_setup(const GdnForwardParams& p, const TensorRef& d_o, cons
 }
 
 template <class T>
-Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
+Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm, void* simg) {
   if (num_seqs(p) == 0) return Status::Ok();
   DeviceInfo* dinfo = nullptr;
   BwdLayout bl;
@@ -877,6 +879,7 @@ Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm) {
   StatesPass sp;
   sp.frags = grad_frags;
   sp.tm = tm;
+  sp.simg = simg;
   return launch_fused<T>(p, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v);
 }
 
@@ -916,7 +919,7 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
 // Test builds only: the reverse step (launch_fused_step).
 template <class T>
 Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                   const MutTensorRef& dv, const void* frags, const MutTensorRef& dq) {
+                   const MutTensorRef& dv, const void* simg, const MutTensorRef& dq) {
   if (num_seqs(p) == 0) return Status::Ok();
   BwdLayout bl;
   BwdMaps maps;
@@ -924,7 +927,7 @@ Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const Tensor
   if (!s.ok()) return s;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_step)");
-  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, frags, dq);
+  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, simg, dq);
 }
 
 // Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
@@ -987,18 +990,19 @@ size_t test_fragment_layout(int i) {
   const size_t v[] = {kFragS, kFragEscS, kFragDSn, kFragDU, kFragEsc, kFragBlockBytes, kFragRegionBytes};
   return v[i];
 }
-Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* tm) {
+size_t test_state_image_bytes() { return kSImgBytes; }
+Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* tm, void* simg) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, grad_frags, tm)
-                                       : launch_states<cutlass::half_t>(p, grad_frags, tm);
+  return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, grad_frags, tm, simg)
+                                       : launch_states<cutlass::half_t>(p, grad_frags, tm, simg);
 }
 Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                           const MutTensorRef& dv, const void* frags, const MutTensorRef& dq) {
+                           const MutTensorRef& dv, const void* simg, const MutTensorRef& dq) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, frags, dq)
-                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, frags, dq);
+  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, simg, dq)
+                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, simg, dq);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

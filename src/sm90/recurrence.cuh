@@ -64,6 +64,9 @@ struct RecParams {
   // null: none stored): the lean kernel's states role leaves each chunk's entering state there,
   // the reverse chain (fused_reverse.cuh) its dSn' and dU'.
   void* grad_frags;
+  // The reverse step's state images (fused_chunks.cuh, store_state_image; null: none stored): the
+  // lean kernel's states role leaves each chunk's entering state there, the step loads it.
+  void* grad_simg;
   // The fused backward's reverse step (fused_step.cuh): dq per value head ((b, t, value head, d),
   // q's dtype; null: not formed), summed over each group after it.
   void* dq;

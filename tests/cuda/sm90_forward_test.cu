@@ -55,13 +55,17 @@ qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::Te
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
 // The fused backward's reverse step (fused_step.cuh): d_o and d(final state) in, d(initial
-// state), dv and dq per value head out; frags: the states pass's S' (test_run_states_pass).
+// state), dv and dq per value head out; simg: the states pass's S' images (test_run_states_pass).
 qla::Status test_run_fused_step(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
-                                const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv, const void* frags,
+                                const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv, const void* simg,
                                 const qla::MutTensorRef& dq);
-// The backward's states pass (build step 3): each chunk's entering state into grad_frags, the
+// The backward's states pass (build step 3): each chunk's entering state into grad_frags (the
+// gradients kernel's fragments) and simg (the reverse step's images; either may be null), the
 // final state into p.final_state.
-qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags, void* tm = nullptr);  // tm: T' images
+qla::Status test_run_states_pass(const qla::GdnForwardParams& p, void* grad_frags, void* tm = nullptr,  // tm: T' images
+                                 void* simg = nullptr);
+// The bytes of one region's S' image (test_run_states_pass's simg).
+size_t test_state_image_bytes();
 // The chunk operands' layout (fused_chunks.cuh): offsets of S', its units, dSn', dU', their units;
 // the block's bytes, the region's bytes.
 size_t test_fragment_layout(int i);
@@ -1310,12 +1314,12 @@ static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   dh0.data = D.p.final_state.data;
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
-  // dq per value head (the host sums each group), and the states pass's S' fragments.
+  // dq per value head (the host sums each group), and the states pass's S' images.
   const size_t n_dq = static_cast<size_t>(cc.B * cc.T * cc.HV * K);
-  void *dq = nullptr, *frags = nullptr;
+  void *dq = nullptr, *simg = nullptr;
   CK(cudaMalloc(&dq, std::max<size_t>(1, n_dq) * 2));
-  const size_t frag_bytes = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * cc.HV)) * qla::sm90::test_fragment_layout(6);
-  CK(cudaMalloc(&frags, frag_bytes));
+  const size_t img_bytes = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * cc.HV)) * qla::sm90::test_state_image_bytes();
+  CK(cudaMalloc(&simg, img_bytes));
   qla::MutTensorRef dqr = dvr;
   dqr.data = dq;
   std::vector<float> h[2];
@@ -1324,12 +1328,12 @@ static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   for (int call = 0; call < 2; ++call) {
     CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
     CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, n_dq) * 2));
-    CK(cudaMemset(frags, 0x7F, frag_bytes));
-    s = qla::sm90::test_run_states_pass(D.p, frags);  // (and the table, regions and maps the step reads)
+    CK(cudaMemset(simg, 0x7F, img_bytes));
+    s = qla::sm90::test_run_states_pass(D.p, nullptr, nullptr, simg);  // (and the table, regions and maps the step reads)
     if (!s.ok()) break;
     CK(cudaMemset(D.hT, 0xFF, P.N * cc.HV * 128 * state_row_pitch() * 4));
     qla::sm90::set_test_reverse_maps_ready(1);
-    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, frags, dqr);
+    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr);
     qla::sm90::set_test_reverse_maps_ready(0);
     if (!s.ok()) break;
     CK(cudaStreamSynchronize(stream));
@@ -1342,7 +1346,7 @@ static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   }
   CK(cudaFree(dv));
   CK(cudaFree(dq));
-  CK(cudaFree(frags));
+  CK(cudaFree(simg));
   if (!s.ok()) { std::printf("%-34s reverse step: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   std::vector<double> ref;
   ChunkGrads cg;
@@ -1476,15 +1480,15 @@ static void bench_grads(const Case& c, cudaStream_t stream, bool profile = false
 }
 
 // The reverse step's outputs (dv, dq per value head, d(initial state) into final_state's memory)
-// and the states pass's fragments for a bench row; freed with it.
+// and the states pass's S' images for a bench row; freed with it.
 struct StepBuffers {
-  void *dv = nullptr, *dq = nullptr, *sfr = nullptr;
+  void *dv = nullptr, *dq = nullptr, *simg = nullptr;
   qla::MutTensorRef dvr, dqr, dh0;
   StepBuffers(const Problem& P, const Case& c, const Dev& D) {
     const int64_t chunks = (P.c.T + 63) / 64;
     CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
     CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
-    CK(cudaMalloc(&sfr, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_fragment_layout(6)));
+    CK(cudaMalloc(&simg, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_state_image_bytes()));
     dvr.data = dv;
     dvr.dtype = P.c.qdt;
     dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
@@ -1497,10 +1501,13 @@ struct StepBuffers {
   StepBuffers(const StepBuffers&) = delete;
   StepBuffers& operator=(const StepBuffers&) = delete;
   ~StepBuffers() {
-    for (void* x : {dv, dq, sfr}) CK(cudaFree(x));
+    for (void* x : {dv, dq, simg}) CK(cudaFree(x));
   }
   qla::Status run(const Dev& D) const {
-    return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, sfr, dqr);
+    return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr);
+  }
+  qla::Status states(const Dev& D) const {  // the states pass that leaves the images (and the table, regions, maps)
+    return qla::sm90::test_run_states_pass(D.p, nullptr, nullptr, simg);
   }
 };
 
@@ -1525,7 +1532,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   double tstep = 0;  // the reverse step alone (fused_step.cuh: chain, dv, dq), after a states pass
   {
     StepBuffers b(P, c, D);
-    qla::Status s = qla::sm90::test_run_states_pass(D.p, b.sfr);
+    qla::Status s = b.states(D);
     qla::sm90::set_test_reverse_maps_ready(1);
     auto step = [&] { return b.run(D); };
     if (s.ok()) s = step();
@@ -1633,7 +1640,7 @@ int main(int argc, char** argv) {
     std::printf("reverse profile %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
     {  // the reverse step of the same row (chain, dv, dq; after a states pass), its own phase records
       StepBuffers b(P, c, D);
-      qla::Status st = qla::sm90::test_run_states_pass(D.p, b.sfr);
+      qla::Status st = b.states(D);
       CK(cudaStreamSynchronize(stream));
 #ifdef QLA_FUSED_PROFILE
       qla::sm90::test_print_phases();  // (the states pass's records, cleared)
