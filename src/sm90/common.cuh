@@ -151,6 +151,13 @@ struct RecLay {
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// Four bytes of shared memory (written out: through a swizzled CuTe pointer the compiler loses
+// the address space and issues generic loads).
+__device__ __forceinline__ uint32_t lds_u32(uint32_t a) {
+  uint32_t u;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u) : "r"(a));
+  return u;
+}
 // A 16-byte run of shared memory.
 __device__ __forceinline__ uint4 lds_u128(uint32_t a) {
   uint4 u;

@@ -53,8 +53,9 @@ struct StepCfg {
   static constexpr uint32_t kStageBytes = kGates + 1024;
   static constexpr uint32_t kTx = 4 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
   // Tiles between the roles, one of each: S' (v, d) in the input type (the states pass's image,
-  // loaded by P for A), Pg'' then dA (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg' (i, d)
-  // and D' (i, v), A's Z' then U'' (tok, v); then the scalars (units, reductions, mbarriers).
+  // loaded by P for A and K), Pg'' (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg'
+  // (i, d) then A's dA'' (i, j), S's D' (i, v), K's Z' then U'' (tok, v); then the scalars
+  // (units, reductions, mbarriers).
   static constexpr uint32_t kS = kStages * kStageBytes;
   static constexpr uint32_t kPg = kS + 2 * kQKBytes;
   static constexpr uint32_t kW = kPg + kImgTokTok * 2;
@@ -65,8 +66,8 @@ struct StepCfg {
   static constexpr uint32_t kU = kD + kQKBytes;
   static constexpr uint32_t kMisc = kU + kQKBytes;
   static constexpr uint32_t kBar = kMisc + 512;
-  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready
-  static constexpr int kBars = 2 * kStages + 9;
+  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free
+  static constexpr int kBars = 2 * kStages + 10;
   static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
   static_assert(kBars * 8 <= 128, "the mbarriers over their part");
@@ -119,6 +120,34 @@ struct StepGates {
   __device__ __forceinline__ const int8_t* qexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvQexp - kInvGam); }
 };
 
+// A thread's gate factors for the gated causal 64 x 64 tiles (Pg'', dA) in the accumulator's
+// element order (rows r0, r0 + 8; columns 8 b + 2 (lane % 4) + {0, 1}): read from the stage once
+// a tile, not per element. scaled(e, u, s, x) = 2^(u + ek_j) e^(gamma_i - gamma_j) s x for
+// j <= i < len, else 0.
+struct GateFactors {
+  float gi[2], gj[16], kj[16];
+  int r0, c0, len;
+  template <class CP>
+  __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len_) : len(len_) {
+    r0 = get<0>(cP(0));
+    c0 = get<1>(cP(0));
+    gi[0] = gt.gam()[r0];
+    gi[1] = gt.gam()[r0 + 8];
+    CUTE_UNROLL
+    for (int b = 0; b < 16; ++b) {
+      const int j = c0 + 8 * (b >> 1) + (b & 1);
+      gj[b] = gt.gam()[j];
+      kj[b] = static_cast<float>(gt.kexp()[j]);
+    }
+  }
+  __device__ __forceinline__ float scaled(int e, int u, float s, float x) const {
+    const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1);
+    const int i = r0 + 8 * h, j = c0 + 8 * (e >> 2) + (e & 1);
+    const float y = fminf(gi[h] - gj[b], 0.f) * kLog2e + (static_cast<float>(u) + kj[b]);
+    return i < len && j <= i ? exp2f(y) * s * x : 0.f;
+  }
+};
+
 // Sixteen-byte runs of a (tok, 128) 16-bit tile in the TokD_K layout: run r of thread wt (r < 8)
 // lies at byte 16 (wt + 128 r) and holds 8 elements of row (byte % 8192) / 128 (the 128-byte
 // swizzle moves runs within their row).
@@ -162,6 +191,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* s_full = d_free + 1;          // P: the S' image of the chunk loaded (chunks with gradients)
   uint64_t* s_empty = s_full + 1;         // A and K: their reads of S' done
   uint64_t* u_ready = s_empty + 1;        // K: U'' and its units (chunks with gradients)
+  uint64_t* qg_free = u_ready + 1;        // S: its product has read Qg' (A's dA'' goes there)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -178,6 +208,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(s_full, 1);
     mbar_init(s_empty, 2 * 128);
     mbar_init(u_ready, 128);
+    mbar_init(qg_free, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -253,6 +284,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (i, j)
     Tensor cY = thrQ.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, d)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
+    Tensor tDA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokTok_K{});
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
@@ -288,13 +320,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (c > 0) mbar_wait(du_ready, (c - 1) & 1);  // K's last product has read the previous Pg''
       QLA_PHASE(2);
       {
-        const float* gam = gt.gam();
-        const int8_t* kexp = gt.kexp();
-        stmatrix_rows<64, T>(tPg, wt, [&](int e) {
-          const int i = get<0>(cP(e)), j = get<1>(cP(e));
-          const float x = fminf(gam[i] - gam[j], 0.f) * kLog2e + static_cast<float>(ep + kexp[j]);
-          return i < len && j <= i ? exp2f(x) * p.scale * accP(e) : 0.f;
-        });
+        const GateFactors gf(gt, cP, len);
+        stmatrix_rows<64, T>(tPg, wt, [&](int e) { return gf.scaled(e, ep, p.scale, accP(e)); });
       }
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
@@ -350,23 +377,18 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         mbar_arrive(d_free);  // (D' for S, U'' for K)
         // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
-        // into the tile of Pg'' once K's product has read it.
+        // into the tile of Qg' once S's product has read it (Pg''s is K's until dU' is formed).
         float m = 0.f;
-        {
-          const float* gam = gt.gam();
-          const int8_t* kexp = gt.kexp();
-          CUTE_UNROLL
-          for (int e = 0; e < size(accD); ++e) {
-            const int i = get<0>(cP(e)), j = get<1>(cP(e));
-            const float x = fminf(gam[i] - gam[j], 0.f) * kLog2e + static_cast<float>(kexp[j] - ed - eut);
-            accD(e) = i < len && j <= i ? exp2f(x) * p.scale * accD(e) : 0.f;
-            m = fmaxf(m, fabsf(accD(e)));
-          }
+        const GateFactors gf(gt, cP, len);
+        CUTE_UNROLL
+        for (int e = 0; e < size(accD); ++e) {
+          accD(e) = gf.scaled(e, -ed - eut, p.scale, accD(e));
+          m = fmaxf(m, fabsf(accD(e)));
         }
         const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
         const float fa = pow2c(ea);
-        mbar_wait(du_ready, c & 1);
-        stmatrix_rows<64, T>(tPg, wt, [&](int e) { return accD(e) * fa; });
+        mbar_wait(qg_free, c & 1);
+        stmatrix_rows<64, T>(tDA, wt, [&](int e) { return accD(e) * fa; });
         fence_async_smem();
         wg_bar(kBarStepA);  // dA'' written by every thread
         {
@@ -377,7 +399,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           for (int e = 0; e < size(accQ); ++e) accQ(e) *= acc_half(e) ? f1 : f0;
         }
         {
-          Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_K{}));
+          Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kQg)), typename LT::TokTok_K{}));
           Tensor rKt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::DTok_MN{}));
           gemm_sync(mmaQ, rA, rKt, accQ, GMMA::ScaleOut::One);
         }
@@ -430,23 +452,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int len = chunk_len(c);
       mbar_wait(&full[c % kStages], sparity(c));
       QLA_PHASE(0);
-      {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
-        Tensor tK = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{});
-        const int r0 = get<0>(cK(0));
-        float f[2];
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int j = r0 + 8 * h;
-          f[h] = j < len ? gt.egk()[j] * pow2c(gt.kexp()[j]) : 0.f;
-        }
-        CUTE_UNROLL
-        for (int e = 0; e < size(rKd); e += 2) {
-          const float2 k2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tK(get<0>(cK(e)), get<1>(cK(e)))));
-          const float fh = f[acc_half(e)];
-          rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
-          rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
-        }
-      }
       QLA_PHASE(1);
       if (step_grads(c)) {
         // Z = V - diag(e^gamma) K S (rows past the end zero), Z' = 2^ez Z (fp16) in the tile of U
@@ -461,14 +466,16 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         mbar_arrive(s_empty);  // K's read of S' is done
         Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
-        const float* eg = gt.eg();
+        const int r0 = get<0>(cK(0));
+        const float egr[2] = {gt.eg()[r0], gt.eg()[r0 + 8]};
         float m = 0.f;
         CUTE_UNROLL
         for (int e = 0; e < size(acc); e += 2) {  // (v's rows past the end are selected away: they may be NaN)
           const int i = get<0>(cK(e)), v = get<1>(cK(e));
-          const float2 v2 = unpack2<T>(*reinterpret_cast<const uint32_t*>(&tV(i, v)));
-          acc(e) = i < len ? v2.x - eg[i] * acc(e) : 0.f;
-          acc(e + 1) = i < len ? v2.y - eg[i] * acc(e + 1) : 0.f;
+          const float egi = egr[acc_half(e)];
+          const float2 v2 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tV(i, v)))));
+          acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
+          acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
           m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
         }
         const int ez = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
@@ -496,9 +503,26 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         mbar_arrive(u_ready);
       }
+      QLA_PHASE(2);
+      {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
+        Tensor tK = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{});
+        const int r0 = get<0>(cK(0));
+        float f[2];
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int j = r0 + 8 * h;
+          f[h] = j < len ? gt.egk()[j] * pow2c(gt.kexp()[j]) : 0.f;
+        }
+        CUTE_UNROLL
+        for (int e = 0; e < size(rKd); e += 2) {
+          const float2 k2 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tK(get<0>(cK(e)), get<1>(cK(e)))))));
+          const float fh = f[acc_half(e)];
+          rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
+          rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
+        }
+      }
       // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
       Tensor accK = partition_fragment_C(mmaD, Shape<_64, _128>{});
-      QLA_PHASE(2);
       mbar_wait(pg_ready, c & 1);
       const int ep = misc[kMiscEp];
       QLA_PHASE(3);
@@ -551,7 +575,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(8);
     }
-    QLA_PHASES_PRINT("step K (wait, Kd', wait S' + Z + U'', wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 9, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 9, nch);
     return;
   }
 
@@ -664,6 +688,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(&empty[c % kStages]);  // S's reads of the stage are done (D' and Qg' are S's own)
     QLA_PHASE(1);
     add_product(rD0, rD1, rQg);  // accS += D'^T Qg' (units eg + ed)
+    mbar_arrive(qg_free);
     QLA_PHASE(2);
     // accS += dU'^T W' in dU''s units (en + eu).
     mbar_wait(du_ready, c & 1);
