@@ -66,8 +66,9 @@ struct StepCfg {
   static constexpr uint32_t kU = kD + kQKBytes;
   static constexpr uint32_t kMisc = kU + kQKBytes;
   static constexpr uint32_t kBar = kMisc + 512;
-  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free
-  static constexpr int kBars = 2 * kStages + 10;
+  // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
+  // du_free
+  static constexpr int kBars = 2 * kStages + 11;
   static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
   static_assert(kBars * 8 <= 128, "the mbarriers over their part");
@@ -192,6 +193,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* s_empty = s_full + 1;         // A and K: their reads of S' done
   uint64_t* u_ready = s_empty + 1;        // K: U'' and its units (chunks with gradients)
   uint64_t* qg_free = u_ready + 1;        // S: its product has read Qg' (A's dA'' goes there)
+  uint64_t* du_free = qg_free + 1;        // S: its product has read dU' (K's dv goes there)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -209,6 +211,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(s_empty, 2 * 128);
     mbar_init(u_ready, 128);
     mbar_init(qg_free, 128);
+    mbar_init(du_free, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -285,6 +288,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cY = thrQ.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, d)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
     Tensor tDA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokTok_K{});
+    Tensor tDQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokD_K{});  // then dq's
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
@@ -403,14 +407,33 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor rKt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::DTok_MN{}));
           gemm_sync(mmaQ, rA, rKt, accQ, GMMA::ScaleOut::One);
         }
-        mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
-        T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
         const float inv = pow2c(-ea);
-        CUTE_UNROLL
-        for (int e = 0; e < size(accQ); e += 2) {
-          const int i = get<0>(cY(e)), d = get<1>(cY(e));
-          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(accQ(e) * inv, accQ(e + 1) * inv);
+        if (p.dq_tma && len == kC) {
+          // A full chunk: dq into the tile of dA'' (Qg''s) once every warp's product has read it,
+          // then two bulk tensor stores; their reads of the tile end before the stage is released
+          // (S writes the next Qg' there). Partial chunks store from registers: a box would
+          // write past the sequence's end.
+          wg_bar(kBarStepA);
+          stmatrix_rows<128, T>(tDQ, wt, [&](int e) { return accQ(e) * inv; });
+          fence_async_smem();
+          wg_bar(kBarStepA);
+          if (wt == 0) {
+            CUTE_UNROLL
+            for (int h = 0; h < 2; ++h)
+              tma_store_4d(&p.tmdq, sm + Cfg::kQg + h * (kQKBytes / 2), h * 64, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
+            bulk_commit();
+            bulk_wait_read();
+          }
+          mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
+        } else {
+          mbar_arrive(&empty[c % kStages]);
+          T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
+          CUTE_UNROLL
+          for (int e = 0; e < size(accQ); e += 2) {
+            const int i = get<0>(cY(e)), d = get<1>(cY(e));
+            if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(accQ(e) * inv, accQ(e + 1) * inv);
+          }
         }
       } else {
         mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
@@ -420,6 +443,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(7);
     }
     QLA_PHASES_PRINT("step A (wait, P + ep, wait du(c-1), Pg'' store, wait dSn', W', wait S' + dO S^T, wait U'' + dP dA dq)", 8, nch);
+    if (wt == 0 && p.dq_tma) bulk_wait_all();  // dq's bulk stores performed before the CTA ends
     return;
   }
 
@@ -440,6 +464,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto thrV = mmaV.get_thread_slice(wt);
     Tensor cK = thrD.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (j, v); also Kd''s (j, d)
     Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
+    Tensor tDV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kDU)), typename LT::TokD_K{});  // then dv's
     Tensor rDSn = thrD.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_K{}));
     Tensor rPgT = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_MN{}));
     Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
@@ -564,7 +589,24 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       const float dvsc = pow2c(-(gt.et() + en + eu));
       mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
-      if (role.out && c >= role.nwarm && dv) {
+      if (role.out && c >= role.nwarm && dv && p.dv_tma && len == kC) {
+        // A full chunk: dv into the tile of dU' once S's product and every K warp's have read it,
+        // then two bulk tensor stores, whose reads of the tile end before the next dU' (its
+        // stores follow wg_max's barrier). Partial chunks store from registers.
+        mbar_wait(du_free, c & 1);
+        wg_bar(kBarStepK);
+        stmatrix_rows<128, T>(tDV, wt, [&](int e) { return accV(e) * dvsc; });
+        fence_async_smem();
+        wg_bar(kBarStepK);
+        if (wt == 0) {
+          const int t0 = static_cast<int>(tile.t0) + chunk_of(c) * kC;
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h)
+            tma_store_4d(&p.tmdv, sm + Cfg::kDU + h * (kQKBytes / 2), h * 64, tile.hv, t0, static_cast<int>(tile.b));
+          bulk_commit();
+          bulk_wait_read();
+        }
+      } else if (role.out && c >= role.nwarm && dv) {
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         T* base = dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2];
         CUTE_UNROLL
@@ -576,6 +618,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(8);
     }
     QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 9, nch);
+    if (wt == 0 && p.dv_tma) bulk_wait_all();  // dv's bulk stores performed before the CTA ends
     return;
   }
 
@@ -697,6 +740,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const int au = misc[kMiscEu];
     scale_acc(pow2c(au - eg - ed));
     add_product(rDU0, rDU1, rW);
+    mbar_arrive(du_free);
     a = au;
     QLA_PHASE(4);
     if (c + 1 < nch) publish_dsn();

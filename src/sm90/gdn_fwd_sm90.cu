@@ -734,6 +734,16 @@ Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const
   rp.dq = dq.data;
   rp.grad_simg = const_cast<void*>(simg);
   for (int i = 0; i < 3; ++i) { rp.so[i] = dv.stride[i]; rp.sdq[i] = dq.stride[i]; }
+  // Full chunks of dq and dv by bulk tensor stores where the layout allows a tensor map.
+  auto store_map = [&](const MutTensorRef& m, CUtensorMap* map) {
+    TensorRef t;
+    t.data = m.data;
+    t.dtype = m.dtype;
+    for (int i = 0; i < 3; ++i) t.stride[i] = m.stride[i];
+    return m.data && make_tile_map(map, t, f.shape.num_v_heads, f.shape).ok() ? 1 : 0;
+  };
+  rp.dq_tma = store_map(dq, &rp.tmdq);
+  rp.dv_tma = store_map(dv, &rp.tmdv);
   rp.tiles_log2 = 0;  // one V tile of 128 per value head
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);

@@ -72,6 +72,9 @@ struct RecParams {
   void* dq;
   int64_t sdq[3];
   CUtensorMap tmdo;  // the reverse step: dO's tensor map (tmv is v's there)
+  CUtensorMap tmdq;  // the reverse step: dq's and dv's, where dq_tma, dv_tma (full chunks stored
+  CUtensorMap tmdv;  // by the tensor engine)
+  int dq_tma, dv_tma;
 };
 
 // The piece plan a pass or the scan splits by.
