@@ -2,7 +2,8 @@
 // (sequence or piece, value head) at V tile 128 walks the chunks last to first and, per chunk,
 // runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
 // shared memory once (single-stage tiles between the roles and, with dq, one input stage).
-// Built in steps; this one: the chain, dv and dq (dk, dg, dbeta still in the gradients kernel).
+// Built in steps; this one: the chain, dv, dq, and (with RecParams::dk set) dk and dbeta; dg is
+// still the gradients kernel's.
 //
 // Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
 // leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
@@ -31,6 +32,15 @@
 //   Qg'   = 2^eg Qg (fp16; eg from a bound on |q|), D' = 2^ed dO (fp16; ed from max |dO|)
 //   accS  = 2^a dS^T: x e^Gamma 2^(eg + ed - a), + D'^T Qg', x 2^(en + eu - eg - ed), + dU'^T W';
 //           a = en + eu.
+// dk and dbeta (K, after dv; docs/backward.md (B19)-(B29)), with T' = diag(2^-ek) Tm diag(2^ek)
+// the inverse kernel's image and a' = en + eu dU''s units:
+//   dK_d  = diag(e^(Gamma - gamma) 2^ek) 2^-(eut + en) U'' dSn'^T
+//   dW''  = dU' S'^T (input type) = -2^a' diag(2^ek) dW;  dW''' = 2^ew dW'' (fp16)
+//   dVb   = 2^-a' diag(2^-ek) T'^T dU',  dKb = -2^-(ew + a') diag(2^-ek) T'^T dW'''
+//   X     = dVb V^T + dKb K^T diag(e^gamma);  X'' = 2^ex X diag(beta 2^-ek) (fp16)
+//   dL    = -strict(2^-ex X'' T'^T) diag(2^ek),  dM = E o dL  (dM'' = 2^em dM, dMb'' = diag(beta) dM'')
+//   dk    = dK_d + beta e^gamma dKb + dA^T Q + diag(beta) dM K + dM^T diag(beta) K
+//   dbeta = <dVb, V> + e^gamma <dKb, K> + <dM K, K>  (row dots).
 #pragma once
 
 #include "fused_reverse.cuh"
@@ -65,10 +75,11 @@ struct StepCfg {
   static constexpr uint32_t kD = kQg + kQKBytes;
   static constexpr uint32_t kU = kD + kQKBytes;
   static constexpr uint32_t kMisc = kU + kQKBytes;
-  static constexpr uint32_t kBar = kMisc + 512;
+  static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
+  static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free
-  static constexpr int kBars = 2 * kStages + 11;
+  // du_free, dsn_free, tm_full, da_ready
+  static constexpr int kBars = 2 * kStages + 14;
   static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
   static_assert(kBars * 8 <= 128, "the mbarriers over their part");
@@ -76,8 +87,9 @@ struct StepCfg {
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
-enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4 };  // en; ep; en + eu; ed; U'''s units
+enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
+constexpr int kMiscSdot = 40;  // dg: S's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
 
@@ -167,6 +179,61 @@ __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, 
   }
 }
 
+// <acc_i, X_i> over the columns of a 64 x N accumulator (coordinates cc), X a (tok, N) 16-bit
+// tile of type T; rows r0 and r0 + 8 of the thread, summed over the quad that holds them in a
+// fixed order.
+template <class T, class Acc, class C, class TX>
+__device__ __forceinline__ float2 row_dot(const Acc& acc, const C& cc, const TX& tX) {
+  float s[2] = {0.f, 0.f};
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) {
+    const float2 x = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tX(get<0>(cc(e)), get<1>(cc(e)))))));
+    s[acc_half(e)] += acc(e) * x.x + acc(e + 1) * x.y;
+  }
+  CUTE_UNROLL
+  for (int o = 1; o < 4; o <<= 1) {
+    s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);
+    s[1] += __shfl_xor_sync(0xffffffffu, s[1], o);
+  }
+  return make_float2(s[0], s[1]);
+}
+// Row sums (rows r0, r0 + 8 of the thread, summed over the quad) and the warp's column sums of
+// a 64 x 64 accumulator (lanes 0 .. 3 write them to colp[64 w + j], w the warp): both in fixed
+// orders (deterministic).
+template <class Acc>
+__device__ __forceinline__ float2 rows_and_cols(const Acc& r, float* colp, int wt) {
+  float rs[2] = {0.f, 0.f}, cs[16];
+  CUTE_UNROLL
+  for (int b = 0; b < 16; ++b) cs[b] = 0.f;
+  CUTE_UNROLL
+  for (int e = 0; e < size(r); ++e) {
+    rs[(e >> 1) & 1] += r(e);
+    cs[2 * (e >> 2) + (e & 1)] += r(e);
+  }
+  CUTE_UNROLL
+  for (int o = 1; o < 4; o <<= 1) {
+    rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
+    rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
+  }
+  CUTE_UNROLL
+  for (int b = 0; b < 16; ++b)
+    CUTE_UNROLL
+    for (int o = 4; o < 32; o <<= 1) cs[b] += __shfl_xor_sync(0xffffffffu, cs[b], o);
+  const int lane = wt & 31;
+  if (lane < 4)
+    CUTE_UNROLL
+    for (int b = 0; b < 16; ++b) colp[64 * (wt >> 5) + 2 * lane + 8 * (b >> 1) + (b & 1)] = cs[b];
+  return make_float2(rs[0], rs[1]);
+}
+// The largest |acc(e)| of the thread.
+template <class Acc>
+__device__ __forceinline__ float abs_max(const Acc& acc) {
+  float m = 0.f;
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
+  return m;
+}
+
 // The reverse step: RecParams as the reverse chain's (tiles_log2 = 0: one V tile of 128; pieces,
 // maps and passes as reverse_role says), tmv d_o's tensor map, h0 / sh0 d(final state) (null:
 // zero), hT / shT d(initial state) in the state layout vk, o / so dv (written for the chunks
@@ -194,6 +261,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* u_ready = s_empty + 1;        // K: U'' and its units (chunks with gradients)
   uint64_t* qg_free = u_ready + 1;        // S: its product has read Qg' (A's dA'' goes there)
   uint64_t* du_free = qg_free + 1;        // S: its product has read dU' (K's dv goes there)
+  uint64_t* dsn_free = du_free + 1;       // K: its reads of dSn' done (S may write the next)
+  uint64_t* tm_full = dsn_free + 1;       // P: the region's T' image in D''s tile (chunks with dk)
+  uint64_t* da_ready = tm_full + 1;       // A: dA'' in Pg''s tile and its unit ea (chunks with gradients)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -212,6 +282,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(u_ready, 128);
     mbar_init(qg_free, 128);
     mbar_init(du_free, 128);
+    mbar_init(dsn_free, 128);
+    mbar_init(tm_full, 1);
+    mbar_init(da_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -226,6 +299,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   auto chunk_len = [&](int c) { return static_cast<int>(min<int64_t>(kC, tile.slen - static_cast<int64_t>(chunk_of(c)) * kC)); };
   // Whether loop step c forms the chunk's gradients (dq; dv is stored by the same rule).
   auto step_grads = [&](int c) { return role.out && c >= role.nwarm && p.dq && p.grad_simg; };
+  // Whether it forms dk and dbeta too (their outputs, T' images and beta all set: launch_fused_step).
+  auto step_dk = [&](int c) { return step_grads(c) && p.dk; };
 
   if (wg == 0) {
     // ---------------- P: the loads ----------------
@@ -269,6 +344,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         if (step_grads(c + 1))
           bulk_prefetch_l2(static_cast<const uint8_t*>(p.grad_simg) + (region - p.HV) * kSImgBytes, kSImgBytes);
       }
+      if (step_dk(c)) {  // the region's T' image into D''s tile once A's dP and S's product have read D'
+        mbar_wait(d_free, c & 1);
+        mbar_wait(qg_free, c & 1);
+        mbar_expect_tx(tm_full, kImgTokTok * 2);
+        bulk_g2s(sm + Cfg::kD, static_cast<const uint8_t*>(p.grad_tm) + region * (kImgTokTok * 2), kImgTokTok * 2, tm_full);
+      }
     }
     return;
   }
@@ -287,8 +368,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (i, j)
     Tensor cY = thrQ.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, d)
     Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
-    Tensor tDA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokTok_K{});
-    Tensor tDQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokD_K{});  // then dq's
+    Tensor tDA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});  // after Pg''
+    Tensor tDQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokD_K{});   // after Qg'
     Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
@@ -368,6 +449,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaQ, rO, rSt, accQ, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(s_empty);  // A's reads of S' are done
+        float2 t1 = make_float2(0.f, 0.f);  // dg: <scale e^gamma_i (dO S^T)_i, Q_i> (B31)
+        if (p.dg && p.dk) {
+          const int r0 = get<0>(cY(0));
+          t1 = row_dot<T>(accQ, cY, make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kQ)), typename LT::TokD_K{}));
+          t1.x = r0 < len ? t1.x * p.scale * gt.eg()[r0] : 0.f;
+          t1.y = r0 + 8 < len ? t1.y * p.scale * gt.eg()[r0 + 8] : 0.f;
+        }
         QLA_PHASE(6);
         // dP'' = D' U''^T = 2^(ed + eut) dO U^T diag(2^-ek), with U'' = 2^eut diag(2^-ek) U from K.
         mbar_wait(u_ready, gi & 1);
@@ -381,7 +469,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         mbar_arrive(d_free);  // (D' for S, U'' for K)
         // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
-        // into the tile of Qg' once S's product has read it (Pg''s is K's until dU' is formed).
+        // into the tile of Pg'' once K's product has read it (du_ready); K reads dA'' for dk
+        // before it releases the stage, so the next Pg'' cannot overwrite it early.
         float m = 0.f;
         const GateFactors gf(gt, cP, len);
         CUTE_UNROLL
@@ -391,8 +480,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
         const float fa = pow2c(ea);
-        mbar_wait(qg_free, c & 1);
+        mbar_wait(du_ready, c & 1);
         stmatrix_rows<64, T>(tDA, wt, [&](int e) { return accD(e) * fa; });
+        if (wt == 0) misc[kMiscEa] = ea;
         fence_async_smem();
         wg_bar(kBarStepA);  // dA'' written by every thread
         {
@@ -403,18 +493,18 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           for (int e = 0; e < size(accQ); ++e) accQ(e) *= acc_half(e) ? f1 : f0;
         }
         {
-          Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kQg)), typename LT::TokTok_K{}));
+          Tensor rA = thrQ.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_K{}));
           Tensor rKt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::DTok_MN{}));
           gemm_sync(mmaQ, rA, rKt, accQ, GMMA::ScaleOut::One);
         }
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         const float inv = pow2c(-ea);
         if (p.dq_tma && len == kC) {
-          // A full chunk: dq into the tile of dA'' (Qg''s) once every warp's product has read it,
-          // then two bulk tensor stores; their reads of the tile end before the stage is released
-          // (S writes the next Qg' there). Partial chunks store from registers: a box would
-          // write past the sequence's end.
-          wg_bar(kBarStepA);
+          // A full chunk: dq into the tile of Qg' once S's product has read it, then two bulk
+          // tensor stores; their reads of the tile end before the stage is released (S writes
+          // the next Qg' there). Partial chunks store from registers: a box would write past the
+          // sequence's end.
+          mbar_wait(qg_free, c & 1);
           stmatrix_rows<128, T>(tDQ, wt, [&](int e) { return accQ(e) * inv; });
           fence_async_smem();
           wg_bar(kBarStepA);
@@ -425,9 +515,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             bulk_commit();
             bulk_wait_read();
           }
-          mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
         } else {
-          mbar_arrive(&empty[c % kStages]);
           T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
           CUTE_UNROLL
           for (int e = 0; e < size(accQ); e += 2) {
@@ -435,6 +523,35 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(accQ(e) * inv, accQ(e + 1) * inv);
           }
         }
+        if (p.dg && p.dk) {
+          // R_P = strict(dP o P) = strict(dA o Q K^T) (B30; Q K^T again, raw; after dq, whose
+          // registers it needs): its row sums with the term above, less its column sums, A's part of
+          // a_i (B31), into D''s tile after T' once S's product has read D' (qg_free; A's dP has
+          // too): [a 64 | rows 64 | columns 4 x 64].
+          Tensor accP2 = partition_fragment_C(mmaP, Shape<_64, _64>{});
+          {
+            Tensor rQ = thrP.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kQ)), typename LT::TokD_K{}));
+            Tensor rK = thrP.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
+            gemm_sync(mmaP, rQ, rK, accP2, GMMA::ScaleOut::Zero);
+          }
+          CUTE_UNROLL
+          for (int e = 0; e < size(accP2); ++e) {
+            const int i = get<0>(cP(e)), j = get<1>(cP(e));
+            accP2(e) = j < i && i < len ? accD(e) * accP2(e) : 0.f;
+          }
+          mbar_wait(qg_free, c & 1);
+          float* sdA = reinterpret_cast<float*>(sm + Cfg::kD + kImgTokTok * 2);
+          const float2 rs = rows_and_cols(accP2, sdA + 128, wt);
+          if ((wt & 3) == 0) {
+            const int r0 = get<0>(cP(0));
+            sdA[64 + r0] = t1.x + rs.x;
+            sdA[64 + r0 + 8] = t1.y + rs.y;
+          }
+          wg_bar(kBarStepA);
+          if (wt < kC) sdA[wt] = sdA[64 + wt] - (sdA[128 + wt] + sdA[192 + wt] + sdA[256 + wt] + sdA[320 + wt]);
+        }
+        mbar_arrive(da_ready);             // dA'' (and A's part of dg) for K
+        mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
       } else {
         mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
         mbar_arrive(d_free);
@@ -470,11 +587,32 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
-    QLA_PHASES_SMEM(9, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 408, S's from + 416)
+    // dk and dbeta of a chunk with dk (after dv; the header's equations): every product but the
+    // chain's, from the tiles the chain has left: dW''' in W''s once dv's stores have read it, T'
+    // in D''s, dVb'' then dM'' and dMb'' in S''s, dKb'' in dU''s, X'' after dVb''; A's dA'' in
+    // Pg''s; U'' and dSn' last (dK_d). gi: the chunk's index among those with gradients; en + eu:
+    // dU''s units; beta_bits: beta of token wt.
+    float* sBeta = reinterpret_cast<float*>(sm + Cfg::kBeta);
+    auto mmaTW = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    auto mmaX = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaL = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto thrTW = mmaTW.get_thread_slice(wt);
+    auto thrX = mmaX.get_thread_slice(wt);
+    auto thrL = mmaL.get_thread_slice(wt);
+    auto mmaRS = make_tiled_mma(GMMA::rs_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    auto thrRS = mmaRS.get_thread_slice(wt);
+    Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
+    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokD_K{}); };
+    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
+    auto stageT = [&](uint8_t* stb, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + off)), layout); };
+    QLA_PHASES_SMEM(10, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 416, S's from + 416)
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
       const int len = chunk_len(c);
+      uint32_t beta_bits = 0;  // beta of token wt (chunks with dk), loaded early: written to sBeta after dK_d
+      if (step_dk(c) && wt < len)
+        beta_bits = load_bits(p.beta, p.b_dt, tile.b * p.sb[0] + (tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC + wt) * p.sb[1] + tile.hv);
       mbar_wait(&full[c % kStages], sparity(c));
       QLA_PHASE(0);
       QLA_PHASE(1);
@@ -489,7 +627,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor rS = thrY.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{}));
           gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
         }
-        mbar_arrive(s_empty);  // K's read of S' is done
+        if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
         Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
         const int r0 = get<0>(cK(0));
         const float egr[2] = {gt.eg()[r0], gt.eg()[r0 + 8]};
@@ -581,6 +719,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       wg_bar(kBarStepK);  // dU' written by every thread before the dv product reads it
       mbar_arrive(du_ready);
       QLA_PHASE(7);
+      const bool dkc = step_dk(c);
+      if (!dkc) mbar_arrive(dsn_free);  // K's reads of dSn' are done (with dk: dK_d, at the chunk's end)
       // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
       Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
       {
@@ -588,25 +728,28 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         gemm_sync(mmaV, rTuT, rDUv, accV, GMMA::ScaleOut::Zero);
       }
       const float dvsc = pow2c(-(gt.et() + en + eu));
-      mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
-      if (role.out && c >= role.nwarm && dv && p.dv_tma && len == kC) {
-        // A full chunk: dv into the tile of dU' once S's product and every K warp's have read it,
-        // then two bulk tensor stores, whose reads of the tile end before the next dU' (its
-        // stores follow wg_max's barrier). Partial chunks store from registers.
+      if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
+      const bool dv_out = role.out && c >= role.nwarm && dv;
+      if (dv_out && p.dv_tma && len == kC) {
+        // A full chunk: dv into a tile once S's product and every K warp's have read it (dU''s,
+        // or with dk W''s: dU' is read again), then two bulk tensor stores, whose reads of the
+        // tile end before the tile's next write. Partial chunks store from registers.
+        const uint32_t stg = dkc ? Cfg::kW : Cfg::kDU;
+        Tensor tStg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + stg)), typename LT::TokD_K{});
         mbar_wait(du_free, c & 1);
         wg_bar(kBarStepK);
-        stmatrix_rows<128, T>(tDV, wt, [&](int e) { return accV(e) * dvsc; });
+        stmatrix_rows<128, T>(tStg, wt, [&](int e) { return accV(e) * dvsc; });
         fence_async_smem();
         wg_bar(kBarStepK);
         if (wt == 0) {
           const int t0 = static_cast<int>(tile.t0) + chunk_of(c) * kC;
           CUTE_UNROLL
           for (int h = 0; h < 2; ++h)
-            tma_store_4d(&p.tmdv, sm + Cfg::kDU + h * (kQKBytes / 2), h * 64, tile.hv, t0, static_cast<int>(tile.b));
+            tma_store_4d(&p.tmdv, sm + stg + h * (kQKBytes / 2), h * 64, tile.hv, t0, static_cast<int>(tile.b));
           bulk_commit();
-          bulk_wait_read();
+          if (!dkc) bulk_wait_read();  // (with dk: before dW''' is written there)
         }
-      } else if (role.out && c >= role.nwarm && dv) {
+      } else if (dv_out) {
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         T* base = dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2];
         CUTE_UNROLL
@@ -616,8 +759,313 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
       }
       QLA_PHASE(8);
+      if (dkc) {
+        // dk and dbeta (and dg with p.dg): the header's equations, from the tiles the chain has left.
+        const int gi = c - role.nwarm, ap = en + eu, r0 = get<0>(cK(0));
+        const int8_t* kexp = gt.kexp();
+        const float* eg = gt.eg();
+        Tensor tKs = stageT(stb, Cfg::kK, typename LT::TokD_K{});
+        Tensor tVs = stageT(stb, Cfg::kV, typename LT::TokD_K{});
+        if (wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;  // (read after the next barriers)
+        // dW'' = dU' S'^T in the input type: dU' converted into a register operand (its fp16 tile
+        // stays for dVb), once A's dO S^T has read S' and A's dP U'' (d_free).
+        mbar_wait(d_free, c & 1);
+        Tensor acc = partition_fragment_C(mmaTW, Shape<_64, _128>{});
+        {
+          Tensor rDUt = make_tensor<T>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // (j, v), the accumulator's element order
+          Tensor tDUh = make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
+          CUTE_UNROLL
+          for (int e = 0; e < size(rDUt); e += 2) {
+            const float2 u2 = unpack2<H>(lds_u32(smem_u32(raw_pointer_cast(&tDUh(get<0>(cK(e)), get<1>(cK(e)))))));
+            rDUt(e) = T(u2.x);
+            rDUt(e + 1) = T(u2.y);
+          }
+          Tensor rB = thrRS.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
+          warpgroup_fence_operand(rDUt);
+          gemm_sync(mmaRS, rDUt, rB, acc, GMMA::ScaleOut::Zero);
+        }
+        const int ew = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        if (wt == 0) bulk_wait_read();  // dv's bulk stores have read W''s tile
+        wg_bar(kBarStepK);
+        {
+          Tensor tW3 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
+          const float fw = pow2c(ew);
+          stmatrix_rows<128, H>(tW3, wt, [&](int e) { return acc(e) * fw; });
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
+        // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
+        // warp's dW has read it: the barrier above; S's <dSn, S> too: qg_free).
+        mbar_wait(tm_full, gi & 1);
+        Tensor rTt = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_MN{}));
+        Tensor rW3 = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
+        gemm_sync(mmaV, rTt, rDUv, acc, GMMA::ScaleOut::Zero);
+        float fr[2];
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
+        float2 db = row_dot<T>(acc, cK, tVs);
+        const int evb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        mbar_wait(qg_free, c & 1);
+        {
+          const float fv = pow2c(evb);
+          Tensor t = tile16(Cfg::kS);
+          stmatrix_rows<128, T>(t, wt, [&](int e) { return acc(e) * fv; });
+        }
+        // dKb = -2^-(ew + ap + ek_i) T'^T dW''' (rows < len): e^gamma_i <dKb_i, K_i> is dbeta's
+        // second row dot, beta_i times it a's (B31); dKb'' over dU' (every K warp's dVb has read
+        // it: evb's barrier).
+        gemm_sync(mmaV, rTt, rW3, acc, GMMA::ScaleOut::Zero);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? -pow2c(-ew - ap - kexp[r0 + 8 * h]) : 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
+        float2 kb;  // <dK_b_i, K_i>
+        {
+          const float2 d2 = row_dot<T>(acc, cK, tKs);
+          const float g0 = r0 < len ? eg[r0] * d2.x : 0.f, g1 = r0 + 8 < len ? eg[r0 + 8] * d2.y : 0.f;
+          db.x += g0;
+          db.y += g1;
+          kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
+        }
+        const int ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        {
+          const float fk = pow2c(ekb);
+          Tensor t = tile16(Cfg::kDU);
+          stmatrix_rows<128, T>(t, wt, [&](int e) { return acc(e) * fk; });
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // dVb'' and dKb'' written
+        // X = dVb V^T + dKb K^T diag(e^gamma); X''_ik = 2^ex X_ik beta_k 2^-ek_k (i, k < len), fp16,
+        // after dVb'' in S''s tile; dMb'' over dVb'' once every X product has read it.
+        const uint32_t kX = Cfg::kS + kQKBytes, kMb = Cfg::kS;
+        float* sdK = reinterpret_cast<float*>(sm + Cfg::kS + kQKBytes + kImgTokTok * 2);  // dg: [a 64 | x 64 | rows 64 | cols 4 x 64]
+        int em;
+        {
+          Tensor accX = partition_fragment_C(mmaX, Shape<_64, _64>{});
+          Tensor accX2 = partition_fragment_C(mmaX, Shape<_64, _64>{});
+          {
+            Tensor rA = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), typename LT::TokD_K{}));
+            Tensor rB = thrX.partition_fragment_B(tVs);
+            Tensor rA2 = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kDU)), typename LT::TokD_K{}));
+            Tensor rB2 = thrX.partition_fragment_B(tKs);
+            warpgroup_fence_operand(accX);
+            warpgroup_fence_operand(accX2);
+            warpgroup_arrive();
+            gemm_k(mmaX, rA, rB, accX, GMMA::ScaleOut::Zero);
+            gemm_k(mmaX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
+            warpgroup_commit_batch();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(accX);
+            warpgroup_fence_operand(accX2);
+          }
+          {
+            const float fv = pow2c(-evb), fk = pow2c(-ekb);
+            float m = 0.f;
+            CUTE_UNROLL
+            for (int e = 0; e < size(accX); ++e) {
+              const int i = get<0>(cX(e)), k = get<1>(cX(e));
+              const float x = accX(e) * fv + accX2(e) * (fk * eg[k]);
+              accX(e) = i < len && k < len ? x * sBeta[k] * pow2c(-kexp[k]) : 0.f;
+              m = fmaxf(m, fabsf(accX(e)));
+            }
+            const int ex = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+            const float fx = pow2c(ex);
+            Tensor tX = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kX)), typename LH::TokTok_K{});
+            stmatrix_rows<64, H>(tX, wt, [&](int e) { return accX(e) * fx; });
+            fence_async_smem();
+            wg_bar(kBarStepK);  // X'' written
+            // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
+            Tensor rA = thrL.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + kX)), typename LH::TokTok_K{}));
+            Tensor rB = thrL.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_K{}));
+            gemm_sync(mmaL, rA, rB, accX, GMMA::ScaleOut::Zero);
+            const GateFactors gf(gt, cX, len);
+            CUTE_UNROLL
+            for (int e = 0; e < size(accX); ++e) accX(e) = get<1>(cX(e)) < get<0>(cX(e)) ? -gf.scaled(e, -ex, 1.f, accX(e)) : 0.f;
+          }
+          // K K^T (raw): dbeta's third row dot <(dM K)_i, K_i> = sum_j dM_ij (K K^T)_ij, and R's
+          // second part dL o L = beta_i dM_ij (K K^T)_ij (B30) for dg.
+          {
+            Tensor rA = thrX.partition_fragment_A(tKs);
+            Tensor rB = thrX.partition_fragment_B(tKs);
+            gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
+          }
+          float m = 0.f;
+          CUTE_UNROLL
+          for (int e = 0; e < size(accX); ++e) {
+            const int i = get<0>(cX(e));
+            const float bi = i < len ? sBeta[i] : 0.f;
+            accX2(e) *= accX(e);  // (dM is 0 where j >= i or i >= len)
+            m = fmaxf(m, fabsf(accX(e) * bi));
+            accX(e) *= bi;  // dMb = diag(beta) dM
+          }
+          {
+            float rr[2] = {0.f, 0.f};
+            CUTE_UNROLL
+            for (int e = 0; e < size(accX2); ++e) rr[(e >> 1) & 1] += accX2(e);
+            CUTE_UNROLL
+            for (int o = 1; o < 4; o <<= 1) {
+              rr[0] += __shfl_xor_sync(0xffffffffu, rr[0], o);
+              rr[1] += __shfl_xor_sync(0xffffffffu, rr[1], o);
+            }
+            db.x += rr[0];
+            db.y += rr[1];
+          }
+          if (p.dg) {  // R_L = beta_i dM_ij (K K^T)_ij: its row and column sums, with <dK_b, K>, into sdK
+            CUTE_UNROLL
+            for (int e = 0; e < size(accX2); ++e) {
+              const int i = get<0>(cX(e));
+              accX2(e) *= i < len ? sBeta[i] : 0.f;
+            }
+            const float2 rs = rows_and_cols(accX2, sdK + 192, wt);
+            if ((wt & 3) == 0) {
+              sdK[128 + r0] = rs.x + kb.x;
+              sdK[128 + r0 + 8] = rs.y + kb.y;
+            }
+          }
+          em = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (every X product has read dVb'')
+          const float fm = pow2c(em);
+          Tensor tMb = tileTT(kMb);
+          stmatrix_rows<64, T>(tMb, wt, [&](int e) { return accX(e) * fm; });
+        }
+        // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
+        // (Tu''s last reader, K's dv, is done), so that dK_b = -2^-(ew + ap + ub) Tb''^T dW'''
+        // accumulates with dk's other terms. A thread's four 16-byte runs (rows wt / 8 + 16 r) hold
+        // the same eight columns (the swizzle moves a run by the row's low bits, equal for all four).
+        int ub;
+        {
+          const uint32_t src = smem_u32(sm + Cfg::kD), dst = smem_u32(stb + Cfg::kTu);
+          const int col0 = 8 * ((wt & 7) ^ ((wt >> 3) & 7));
+          float cf[8];
+          CUTE_UNROLL
+          for (int q = 0; q < 8; ++q) {
+            const int i = col0 + q;
+            cf[q] = i < len ? sBeta[i] * eg[i] * pow2c(-kexp[i]) : 0.f;
+          }
+          uint4 u[4];
+          float m = 0.f;
+          CUTE_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            u[r] = lds_u128(src + 16u * (wt + 128 * r));
+            const uint32_t* pu = &u[r].x;
+            CUTE_UNROLL
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = unpack2<H>(pu[q]);
+              m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
+            }
+          }
+          ub = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+          const float fu = pow2c(ub);
+          CUTE_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            uint32_t* pu = &u[r].x;
+            CUTE_UNROLL
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = unpack2<H>(pu[q]);
+              const float c0 = cf[2 * q] * fu, c1 = cf[2 * q + 1] * fu;
+              pu[q] = pack2<H>(c0 != 0.f ? f.x * c0 : 0.f, c1 != 0.f ? f.y * c1 : 0.f);
+            }
+            sts128(dst + 16u * (wt + 128 * r), u[r]);
+          }
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // dMb'' and Tb'' written (and, with dg, the row and column partials of R_L)
+        // dk in one accumulator, changing units by powers of two between the terms:
+        // dK_d = diag(e^(Gamma - gamma) 2^ek) 2^-(eut + en) U'' dSn'^T first (then dSn' is free
+        // for S's next one; with dg its row dot x_i = <dK_d_i, K_i>), then -2^-u1 Tb''^T dW'''
+        // (u1 = ew + ap + ub), 2^-ea dA''^T Q (A's dA'' in Pg''s tile), 2^-em (dMb'' K + dMb''^T K).
+        Tensor accDK = partition_fragment_C(mmaW, Shape<_64, _128>{});
+        {
+          Tensor rU = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::TokD_K{}));
+          Tensor rDSt = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_MN{}));
+          gemm_sync(mmaW, rU, rDSt, accDK, GMMA::ScaleOut::Zero);
+        }
+        mbar_arrive(dsn_free);
+        {
+          const int eut = misc[kMiscEut];
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int j = r0 + 8 * h;
+            fr[h] = j < len ? gt.egk()[j] * pow2c(kexp[j] - eut - en) : 0.f;
+          }
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) = fr[acc_half(e)] != 0.f ? accDK(e) * fr[acc_half(e)] : 0.f;
+        }
+        if (p.dg) {
+          const float2 x = row_dot<T>(accDK, cK, tKs);
+          if ((wt & 3) == 0) {
+            sdK[64 + r0] = r0 < len ? x.x : 0.f;
+            sdK[64 + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
+          }
+        }
+        const int u1 = ew + ap + ub;
+        {
+          const float f = -pow2c(u1);
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+        }
+        {
+          Tensor rTb = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
+          gemm_sync(mmaV, rTb, rW3, accDK, GMMA::ScaleOut::One);
+        }
+        mbar_wait(da_ready, gi & 1);
+        const int ea = misc[kMiscEa];
+        {
+          const float f = -pow2c(ea - u1);
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          Tensor rQt = thrG.partition_fragment_B(stageT(stb, Cfg::kQ, typename LT::DTok_MN{}));
+          gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
+        }
+        {
+          const float f = pow2c(em - ea);
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
+          Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
+          Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          Tensor rB2 = thrG.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
+          gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
+        }
+        // dk (per value head; rows < len) and dbeta out.
+        const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
+        {
+          const float f = pow2c(-em);
+          T* base = static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2];
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); e += 2) {
+            const int i = get<0>(cK(e)), d = get<1>(cK(e));
+            if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdk[1] + d) = pack2<T>(accDK(e) * f, accDK(e + 1) * f);
+          }
+        }
+        if ((wt & 3) == 0) {
+          const int64_t bo = tile.b * p.sdb[0] + static_cast<int64_t>(tile.hv);
+          if (r0 < len) store_f(p.dbeta, p.db_dt, bo + (t0 + r0) * p.sdb[1], db.x);
+          if (r0 + 8 < len) store_f(p.dbeta, p.db_dt, bo + (t0 + r0 + 8) * p.sdb[1], db.y);
+        }
+        if (p.dg) {
+          // dg (B33): a_i = A's part (D''s tile after T') + K's rows - K's column sums, x_i as above;
+          // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (S's four warp partials).
+          const float* sdA = reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2);
+          wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready)
+          if (wt < kC)
+            sdK[wt] = wt < len ? sdA[wt] + sdK[128 + wt] - (sdK[192 + wt] + sdK[256 + wt] + sdK[320 + wt] + sdK[384 + wt]) : 0.f;
+          wg_bar(kBarStepK);
+          if (wt < len) {
+            float g = fmisc[kMiscSdot] + fmisc[kMiscSdot + 1] + fmisc[kMiscSdot + 2] + fmisc[kMiscSdot + 3];
+            for (int i = 0; i < wt; ++i) g += sdK[64 + i];
+            for (int i = wt; i < len; ++i) g += sdK[i];
+            store_f(p.dg, p.dg_dt, tile.b * p.sdg[0] + (t0 + wt) * p.sdg[1] + tile.hv, g);
+          }
+        }
+        mbar_arrive(s_empty);             // K's reads of S''s tile are done
+        mbar_arrive(&empty[c % kStages]);  // and of the stage
+      }
+      QLA_PHASE(9);
     }
-    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv)", 9, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dK_d + dv, dk + dbeta)", 10, nch);
     if (wt == 0 && p.dv_tma) bulk_wait_all();  // dv's bulk stores performed before the CTA ends
     return;
   }
@@ -690,6 +1138,21 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const int len = chunk_len(c);
     mbar_wait(&full[c % kStages], sparity(c));
     QLA_PHASE(0);
+    if (p.dg && step_dk(c)) {  // dg: e^Gamma <dSn, S> (B33), accS = 2^a dSn^T and the S' image (v, d) = S^T
+      mbar_wait(s_full, (c - role.nwarm) & 1);
+      Tensor tS = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{});
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int e = 0; e < size(accS0); e += 2) {
+        const int v = get<0>(cS(e)), d = get<1>(cS(e));
+        const float2 x0 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tS(v, d)))));
+        const float2 x1 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tS(v + 64, d)))));
+        sum += accS0(e) * x0.x + accS0(e + 1) * x0.y + accS1(e) * x1.x + accS1(e + 1) * x1.y;
+      }
+      CUTE_UNROLL
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if ((wt & 31) == 0) fmisc[kMiscSdot + (wt >> 5)] = sum * gt.eG() * pow2c(-a);  // (K reads them after qg_free)
+    }
     // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
     // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
     // in bench/fused_reverse_model.py.)
@@ -743,7 +1206,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(du_free);
     a = au;
     QLA_PHASE(4);
-    if (c + 1 < nch) publish_dsn();
+    if (c + 1 < nch) {
+      mbar_wait(dsn_free, c & 1);  // K's reads of this chunk's dSn' (Kd' dSn', dK_d) are done
+      publish_dsn();
+    }
     QLA_PHASE(5);
   }
   QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', dSn' max + store)", 6, nch);

@@ -723,17 +723,37 @@ Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, co
 
 // The reverse step (fused_step.cuh) in the same passes: dv (written in the pass that runs whole
 // pieces) out too.
-// simg: the states pass's S' images (kSImgBytes per region); dq per value head.
+// simg: the states pass's S' images (kSImgBytes per region); dq per value head; with dk set,
+// dk per value head and dbeta too (and dg with dg set), from the T' images tm (8 KiB per region).
 template <class T>
 Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const BwdMaps& maps,
                          const TensorRef& dht, const MutTensorRef& dh0, const MutTensorRef& dv, const void* simg,
-                         const MutTensorRef& dq) {
+                         const MutTensorRef& dq, const MutTensorRef* dk, const MutTensorRef* dbeta, const void* tm,
+                         const MutTensorRef* dg) {
   RecParams rp = reverse_params(f, wl, maps.q, maps.k, maps.v, dht, dh0);
   rp.tmdo = maps.d_o;
   rp.o = dv.data;
   rp.dq = dq.data;
   rp.grad_simg = const_cast<void*>(simg);
   for (int i = 0; i < 3; ++i) { rp.so[i] = dv.stride[i]; rp.sdq[i] = dq.stride[i]; }
+  if (dk && dk->data && dbeta && dbeta->data && tm && dq.data && simg) {
+    rp.dk = dk->data;
+    rp.dbeta = dbeta->data;
+    rp.db_dt = static_cast<int>(dbeta->dtype);
+    rp.beta = f.beta.data;
+    rp.b_dt = static_cast<int>(f.beta.dtype);
+    rp.grad_tm = tm;
+    for (int i = 0; i < 3; ++i) rp.sdk[i] = dk->stride[i];
+    for (int i = 0; i < 2; ++i) {
+      rp.sdb[i] = dbeta->stride[i];
+      rp.sb[i] = f.beta.stride[i];
+    }
+    if (dg && dg->data) {
+      rp.dg = dg->data;
+      rp.dg_dt = static_cast<int>(dg->dtype);
+      for (int i = 0; i < 2; ++i) rp.sdg[i] = dg->stride[i];
+    }
+  }
   // Full chunks of dq and dv by bulk tensor stores where the layout allows a tensor map.
   auto store_map = [&](const MutTensorRef& m, CUtensorMap* map) {
     TensorRef t;
@@ -929,7 +949,8 @@ Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const Ten
 // Test builds only: the reverse step (launch_fused_step).
 template <class T>
 Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                   const MutTensorRef& dv, const void* simg, const MutTensorRef& dq) {
+                   const MutTensorRef& dv, const void* simg, const MutTensorRef& dq, const MutTensorRef* dk,
+                   const MutTensorRef* dbeta, const void* tm, const MutTensorRef* dg) {
   if (num_seqs(p) == 0) return Status::Ok();
   BwdLayout bl;
   BwdMaps maps;
@@ -937,7 +958,7 @@ Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const Tensor
   if (!s.ok()) return s;
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_step)");
-  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, simg, dq);
+  return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg);
 }
 
 // Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
@@ -1008,11 +1029,12 @@ Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* t
                                        : launch_states<cutlass::half_t>(p, grad_frags, tm, simg);
 }
 Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                           const MutTensorRef& dv, const void* simg, const MutTensorRef& dq) {
+                           const MutTensorRef& dv, const void* simg, const MutTensorRef& dq, const MutTensorRef* dk,
+                           const MutTensorRef* dbeta, const void* tm, const MutTensorRef* dg) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, simg, dq)
-                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, simg, dq);
+  return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg)
+                                       : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg);
 }
 Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
                               const MutTensorRef& dh0, int v_tile, void* grad_frags) {

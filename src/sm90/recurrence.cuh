@@ -75,6 +75,21 @@ struct RecParams {
   CUtensorMap tmdq;  // the reverse step: dq's and dv's, where dq_tma, dv_tma (full chunks stored
   CUtensorMap tmdv;  // by the tensor engine)
   int dq_tma, dv_tma;
+  // The reverse step's dk (per value head, as dq; null: dk, dbeta, dg not formed) and dbeta
+  // ((b, t, value head), its dtype db_dt), from beta (its dtype b_dt) and the inverse kernel's T'
+  // images (8 KiB per region).
+  void* dk;
+  int64_t sdk[3];
+  void* dbeta;
+  int64_t sdb[2];
+  int db_dt;
+  const void* beta;
+  int64_t sb[2];
+  int b_dt;
+  const void* grad_tm;
+  void* dg;  // with dk: dg ((b, t, value head), its dtype dg_dt; null: not formed)
+  int64_t sdg[2];
+  int dg_dt;
 };
 
 // The piece plan a pass or the scan splits by.

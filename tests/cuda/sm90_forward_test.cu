@@ -55,10 +55,13 @@ qla::Status test_run_reverse_chain(const qla::GdnForwardParams& p, const qla::Te
                                    const qla::MutTensorRef& dh0, int v_tile,  // v_tile 64 or 128
                                    void* grad_frags = nullptr);  // each chunk's dSn', dU' fragments, if set
 // The fused backward's reverse step (fused_step.cuh): d_o and d(final state) in, d(initial
-// state), dv and dq per value head out; simg: the states pass's S' images (test_run_states_pass).
+// state), dv and dq per value head out; simg: the states pass's S' images (test_run_states_pass);
+// with dk, dbeta and tm (the T' images) set, dk per value head and dbeta too, and dg with dg set.
 qla::Status test_run_fused_step(const qla::GdnForwardParams& p, const qla::TensorRef& d_o, const qla::TensorRef& dht,
                                 const qla::MutTensorRef& dh0, const qla::MutTensorRef& dv, const void* simg,
-                                const qla::MutTensorRef& dq);
+                                const qla::MutTensorRef& dq, const qla::MutTensorRef* dk = nullptr,
+                                const qla::MutTensorRef* dbeta = nullptr, const void* tm = nullptr,
+                                const qla::MutTensorRef* dg = nullptr);
 // The backward's states pass (build step 3): each chunk's entering state into grad_frags (the
 // gradients kernel's fragments) and simg (the reverse step's images; either may be null), the
 // final state into p.final_state.
@@ -1290,9 +1293,9 @@ static bool check_grads(const Case& case_, uint64_t seed, cudaStream_t stream) {
   return ok;
 }
 
-// The reverse step (src/sm90/fused_step.cuh) after the states pass: d(initial state), dv and dq
-// (per value head, summed over each group here) against the fp64 references (v plays dO, the
-// initial state's buffer d(final state)), into poisoned buffers (every element written),
+// The reverse step (src/sm90/fused_step.cuh) after the states pass: d(initial state), dv, dq and
+// dk (per value head, summed over each group here) and dbeta against the fp64 references (v plays
+// dO, the initial state's buffer d(final state)), into poisoned buffers (every element written),
 // bitwise repeatable.
 static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   Problem P = make_problem(c);
@@ -1315,64 +1318,96 @@ static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   dh0.dtype = DType::kFloat32;
   for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
   // dq per value head (the host sums each group), and the states pass's S' images.
-  const size_t n_dq = static_cast<size_t>(cc.B * cc.T * cc.HV * K);
-  void *dq = nullptr, *simg = nullptr;
+  const size_t n_dq = static_cast<size_t>(cc.B * cc.T * cc.HV * K), n_g = static_cast<size_t>(cc.B * cc.T * cc.HV);
+  void *dq = nullptr, *dk = nullptr, *db = nullptr, *dgb = nullptr, *simg = nullptr, *tm = nullptr;
   CK(cudaMalloc(&dq, std::max<size_t>(1, n_dq) * 2));
-  const size_t img_bytes = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * cc.HV)) * qla::sm90::test_state_image_bytes();
+  CK(cudaMalloc(&dk, std::max<size_t>(1, n_dq) * 2));
+  CK(cudaMalloc(&db, std::max<size_t>(1, n_g) * 4));
+  CK(cudaMalloc(&dgb, std::max<size_t>(1, n_g) * 4));
+  const size_t regions = static_cast<size_t>(std::max<int64_t>(1, total_chunks(P) * cc.HV));
+  const size_t img_bytes = regions * qla::sm90::test_state_image_bytes();
   CK(cudaMalloc(&simg, img_bytes));
-  qla::MutTensorRef dqr = dvr;
+  CK(cudaMalloc(&tm, regions * 64 * 64 * 2));
+  qla::MutTensorRef dqr = dvr, dkr = dvr, dbr;
   dqr.data = dq;
-  std::vector<float> h[2];
-  std::vector<uint16_t> hv16[2], hq16[2];
+  dkr.data = dk;
+  dbr.data = db;
+  dbr.dtype = DType::kFloat32;
+  dbr.stride[0] = cc.T * cc.HV;
+  dbr.stride[1] = cc.HV;
+  dbr.stride[2] = 1;
+  qla::MutTensorRef dgr = dbr;
+  dgr.data = dgb;
+  std::vector<float> h[2], hb[2], hg[2];
+  std::vector<uint16_t> hv16[2], hq16[2], hk16[2];
   qla::Status s;
   for (int call = 0; call < 2; ++call) {
     CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
     CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, n_dq) * 2));
+    CK(cudaMemset(dk, 0xFF, std::max<size_t>(1, n_dq) * 2));
+    CK(cudaMemset(db, 0xFF, std::max<size_t>(1, n_g) * 4));
+    CK(cudaMemset(dgb, 0xFF, std::max<size_t>(1, n_g) * 4));
     CK(cudaMemset(simg, 0x7F, img_bytes));
-    s = qla::sm90::test_run_states_pass(D.p, nullptr, nullptr, simg);  // (and the table, regions and maps the step reads)
+    CK(cudaMemset(tm, 0xFF, regions * 64 * 64 * 2));
+    s = qla::sm90::test_run_states_pass(D.p, nullptr, tm, simg);  // (and the table, regions and maps the step reads)
     if (!s.ok()) break;
     CK(cudaMemset(D.hT, 0xFF, P.N * cc.HV * 128 * state_row_pitch() * 4));
     qla::sm90::set_test_reverse_maps_ready(1);
-    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr);
+    s = qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr, &dkr, &dbr, tm, &dgr);
     qla::sm90::set_test_reverse_maps_ready(0);
     if (!s.ok()) break;
     CK(cudaStreamSynchronize(stream));
     h[call].resize(P.N * cc.HV * 128 * state_row_pitch());
     hv16[call].resize(n_v);
     hq16[call].resize(n_dq);
+    hk16[call].resize(n_dq);
+    hb[call].resize(n_g);
+    hg[call].resize(n_g);
     CK(cudaMemcpy(h[call].data(), D.hT, h[call].size() * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hv16[call].data(), dv, n_v * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hq16[call].data(), dq, n_dq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hk16[call].data(), dk, n_dq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hb[call].data(), db, n_g * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hg[call].data(), dgb, n_g * 4, cudaMemcpyDeviceToHost));
   }
-  CK(cudaFree(dv));
-  CK(cudaFree(dq));
-  CK(cudaFree(simg));
+  for (void* x : {dv, dq, dk, db, dgb, simg, tm}) CK(cudaFree(x));
   if (!s.ok()) { std::printf("%-34s reverse step: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
   std::vector<double> ref;
   ChunkGrads cg;
   reference_reverse(P, ref, &cg);
   Err err;
   state_errors(P, h[0], ref, err);
-  L2 ev, eq;
+  L2 ev, eq, ek, eb, eg;
   for (size_t i = 0; i < n_v; ++i) ev.add(from16(hv16[0][i], cc.qdt), cg.dv[i]);
-  {  // dq: each group's value heads summed here, against the full reference (v plays dO)
+  {  // dq, dk: each group's value heads summed here, against the full reference (v plays dO)
     FullGrads G;
     reference_backward(P, P.v, G);
     const int64_t grp = cc.HV / cc.H;
     for (int64_t t = 0; t < cc.B * cc.T; ++t)
       for (int64_t hq = 0; hq < cc.H; ++hq)
         for (int d = 0; d < K; ++d) {
-          double x = 0;
-          for (int64_t g2 = 0; g2 < grp; ++g2) x += from16(hq16[0][(t * cc.HV + hq * grp + g2) * K + d], cc.qdt);
+          double x = 0, y = 0;
+          for (int64_t g2 = 0; g2 < grp; ++g2) {
+            x += from16(hq16[0][(t * cc.HV + hq * grp + g2) * K + d], cc.qdt);
+            y += from16(hk16[0][(t * cc.HV + hq * grp + g2) * K + d], cc.qdt);
+          }
           eq.add(x, G.dq[(t * cc.H + hq) * K + d]);
+          ek.add(y, G.dk[(t * cc.H + hq) * K + d]);
         }
+    for (size_t i = 0; i < n_g; ++i) {
+      eb.add(hb[0][i], G.dbeta[i]);
+      eg.add(hg[0][i], G.dg[i]);
+    }
   }
-  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hv16[0] == hv16[1] && hq16[0] == hq16[1];
-  const bool nan = err.nan || ev.nan || eq.nan;
-  const bool ok = !nan && same && err.h <= 3e-3 && ev.rel() <= 4e-3 && eq.rel() <= 4e-3;
-  std::printf("step %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.3e dv %.3e dq %.3e%s%s  %s\n", c.name.c_str(),
-              (long long)P.N, (long long)cc.T, (long long)cc.H, (long long)cc.HV, err.h, ev.rel(), eq.rel(),
-              nan ? " NaN" : "", same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hv16[0] == hv16[1] &&
+                    hq16[0] == hq16[1] && hk16[0] == hk16[1] && std::memcmp(hb[0].data(), hb[1].data(), n_g * 4) == 0 &&
+                    std::memcmp(hg[0].data(), hg[1].data(), n_g * 4) == 0;
+  const bool nan = err.nan || ev.nan || eq.nan || ek.nan || eb.nan || eg.nan;
+  const bool ok = !nan && same && err.h <= 3e-3 && ev.rel() <= 4e-3 && eq.rel() <= 4e-3 && ek.rel() <= 4e-3 &&
+                  eb.rel() <= 4e-3 && eg.rel() <= 4e-3;
+  std::printf("step %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.2e dv %.2e dq %.2e dk %.2e dg %.2e dbeta %.2e%s%s  %s\n",
+              c.name.c_str(), (long long)P.N, (long long)cc.T, (long long)cc.H, (long long)cc.HV, err.h, ev.rel(),
+              eq.rel(), ek.rel(), eg.rel(), eb.rel(), nan ? " NaN" : "", same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
   free_dev(D);
   return ok;
 }
@@ -1479,21 +1514,32 @@ static void bench_grads(const Case& c, cudaStream_t stream, bool profile = false
   free_dev(D);
 }
 
-// The reverse step's outputs (dv, dq per value head, d(initial state) into final_state's memory)
-// and the states pass's S' images for a bench row; freed with it.
+// The reverse step's outputs (dv, dq, dk per value head, dbeta, d(initial state) into
+// final_state's memory) and the states pass's S' and T' images for a bench row; freed with it.
 struct StepBuffers {
-  void *dv = nullptr, *dq = nullptr, *simg = nullptr;
-  qla::MutTensorRef dvr, dqr, dh0;
+  void *dv = nullptr, *dq = nullptr, *dk = nullptr, *db = nullptr, *dg = nullptr, *simg = nullptr, *tm = nullptr;
+  qla::MutTensorRef dvr, dqr, dkr, dbr, dgr, dh0;
   StepBuffers(const Problem& P, const Case& c, const Dev& D) {
-    const int64_t chunks = (P.c.T + 63) / 64;
+    const int64_t chunks = (P.c.T + 63) / 64, regions = std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV;
     CK(cudaMalloc(&dv, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * V) * 2));
     CK(cudaMalloc(&dq, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
-    CK(cudaMalloc(&simg, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_state_image_bytes()));
+    CK(cudaMalloc(&dk, std::max<int64_t>(1, P.c.B * P.c.T * c.HV * K) * 2));
+    CK(cudaMalloc(&db, std::max<int64_t>(1, P.c.B * P.c.T * c.HV) * 4));
+    CK(cudaMalloc(&dg, std::max<int64_t>(1, P.c.B * P.c.T * c.HV) * 4));
+    CK(cudaMalloc(&simg, regions * qla::sm90::test_state_image_bytes()));
+    CK(cudaMalloc(&tm, regions * 64 * 64 * 2));
     dvr.data = dv;
     dvr.dtype = P.c.qdt;
     dvr.stride[0] = P.c.T * c.HV * V, dvr.stride[1] = c.HV * V, dvr.stride[2] = V;
     dqr = dvr;
     dqr.data = dq;
+    dkr = dvr;
+    dkr.data = dk;
+    dbr.data = db;
+    dbr.dtype = DType::kFloat32;
+    dbr.stride[0] = P.c.T * c.HV, dbr.stride[1] = c.HV, dbr.stride[2] = 1;
+    dgr = dbr;
+    dgr.data = dg;
     dh0.data = D.p.final_state.data;
     dh0.dtype = DType::kFloat32;
     for (int i = 0; i < 3; ++i) dh0.stride[i] = D.p.final_state.stride[i];
@@ -1501,13 +1547,13 @@ struct StepBuffers {
   StepBuffers(const StepBuffers&) = delete;
   StepBuffers& operator=(const StepBuffers&) = delete;
   ~StepBuffers() {
-    for (void* x : {dv, dq, simg}) CK(cudaFree(x));
+    for (void* x : {dv, dq, dk, db, dg, simg, tm}) CK(cudaFree(x));
   }
   qla::Status run(const Dev& D) const {
-    return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr);
+    return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, dh0, dvr, simg, dqr, &dkr, &dbr, tm, &dgr);
   }
   qla::Status states(const Dev& D) const {  // the states pass that leaves the images (and the table, regions, maps)
-    return qla::sm90::test_run_states_pass(D.p, nullptr, nullptr, simg);
+    return qla::sm90::test_run_states_pass(D.p, nullptr, tm, simg);
   }
 };
 
@@ -1529,16 +1575,22 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
     tf[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt, frags); });
   }
   CK(cudaFree(frags));
-  double tstep = 0;  // the reverse step alone (fused_step.cuh: chain, dv, dq), after a states pass
+  double tstep = 0, tstep_dk = 0;  // the reverse step alone (fused_step.cuh), after a states pass: chain, dv, dq; + dk, dbeta
   {
     StepBuffers b(P, c, D);
     qla::Status s = b.states(D);
     qla::sm90::set_test_reverse_maps_ready(1);
-    auto step = [&] { return b.run(D); };
+    auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, b.dh0, b.dvr, b.simg, b.dqr); };
+    auto step_dk = [&] { return b.run(D); };
     if (s.ok()) s = step();
+    if (s.ok()) s = step_dk();
     CK(cudaStreamSynchronize(stream));
-    if (s.ok()) tstep = median_ms(stream, 20, [&] { (void)step(); });
-    else std::printf("bench reverse step %s: %s\n", c.name.c_str(), s.message().c_str());
+    if (s.ok()) {
+      tstep = median_ms(stream, 20, [&] { (void)step(); });
+      tstep_dk = median_ms(stream, 20, [&] { (void)step_dk(); });
+    } else {
+      std::printf("bench reverse step %s: %s\n", c.name.c_str(), s.message().c_str());
+    }
     qla::sm90::set_test_reverse_maps_ready(0);
   }
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
@@ -1547,10 +1599,10 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   CK(cudaFree(regions));
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
               "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f); step (chain, dv, dq; alone) "
-              "%8.1f us, %.2f per chunk\n", c.name.c_str(), (long long)P.N,
+              "%8.1f us, %.2f per chunk; step with dk, dg, dbeta %8.1f us\n", c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, t[0] * 1e3, t[1] * 1e3, tinv * 1e3,
               (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3,
-              tstep * 1e3, tstep * 1e3 / double(chunks));
+              tstep * 1e3, tstep * 1e3 / double(chunks), tstep_dk * 1e3);
   free_dev(D);
 }
 #endif
