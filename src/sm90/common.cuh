@@ -228,7 +228,7 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
 // was counted in the next phase. A thread keeps only its record's index and the last clock.
 // QLA_PHASE_ARGS / QLA_PHASE_PASS carry the timers into a device function.
 #ifdef QLA_FUSED_PROFILE
-constexpr int kPhaseMax = 10;
+constexpr int kPhaseMax = 16;
 struct PhaseRecord {
   const char* what;
   int wg, phases;

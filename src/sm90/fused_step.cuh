@@ -605,7 +605,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokD_K{}); };
     auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
     auto stageT = [&](uint8_t* stb, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + off)), layout); };
-    QLA_PHASES_SMEM(10, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 416, S's from + 416)
+    QLA_PHASES_SMEM(16, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 464, S's from + 464)
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
       const StepGates gt(stb);
@@ -794,6 +794,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
+        QLA_PHASE(9);
         // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
         // warp's dW has read it: the barrier above; S's <dSn, S> too: qg_free).
         mbar_wait(tm_full, gi & 1);
@@ -837,6 +838,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dVb'' and dKb'' written
+        QLA_PHASE(10);
         // X = dVb V^T + dKb K^T diag(e^gamma); X''_ik = 2^ex X_ik beta_k 2^-ek_k (i, k < len), fp16,
         // after dVb'' in S''s tile; dMb'' over dVb'' once every X product has read it.
         const uint32_t kX = Cfg::kS + kQKBytes, kMb = Cfg::kS;
@@ -929,6 +931,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor tMb = tileTT(kMb);
           stmatrix_rows<64, T>(tMb, wt, [&](int e) { return accX(e) * fm; });
         }
+        QLA_PHASE(11);
         // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
         // (Tu''s last reader, K's dv, is done), so that dK_b = -2^-(ew + ap + ub) Tb''^T dW'''
         // accumulates with dk's other terms. A thread's four 16-byte runs (rows wt / 8 + 16 r) hold
@@ -971,6 +974,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dMb'' and Tb'' written (and, with dg, the row and column partials of R_L)
+        QLA_PHASE(12);
         // dk in one accumulator, changing units by powers of two between the terms:
         // dK_d = diag(e^(Gamma - gamma) 2^ek) 2^-(eut + en) U'' dSn'^T first (then dSn' is free
         // for S's next one; with dg its row dot x_i = <dK_d_i, K_i>), then -2^-u1 Tb''^T dW'''
@@ -1009,6 +1013,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor rTb = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
           gemm_sync(mmaV, rTb, rW3, accDK, GMMA::ScaleOut::One);
         }
+        QLA_PHASE(13);
         mbar_wait(da_ready, gi & 1);
         const int ea = misc[kMiscEa];
         {
@@ -1029,6 +1034,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
           gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         }
+        QLA_PHASE(14);
         // dk (per value head; rows < len) and dbeta out.
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         {
@@ -1063,9 +1069,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_arrive(s_empty);             // K's reads of S''s tile are done
         mbar_arrive(&empty[c % kStages]);  // and of the stage
       }
-      QLA_PHASE(9);
+      QLA_PHASE(15);
     }
-    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dK_d + dv, dk + dbeta)", 10, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, X dL dM KK, Tb'', dK_d dK_b, dA^T Q dM K, out)", 16, nch);
     if (wt == 0 && p.dv_tma) bulk_wait_all();  // dv's bulk stores performed before the CTA ends
     return;
   }
@@ -1131,7 +1137,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(dsn_ready);
   };
   publish_dsn();
-  QLA_PHASES_SMEM(6, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 416));
+  QLA_PHASES_SMEM(6, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 464));
   for (int c = 0; c < nch; ++c) {
     uint8_t* stb = stage(c);
     const StepGates gt(stb);
