@@ -2,8 +2,9 @@
 // (sequence or piece, value head) at V tile 128 walks the chunks last to first and, per chunk,
 // runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
 // shared memory once (single-stage tiles between the roles and, with dq, one input stage).
-// Built in steps; this one: the chain, dv, dq, and (with RecParams::dk set) dk and dbeta; dg is
-// still the gradients kernel's.
+// Built in steps; this one: the chain, dv, dq, and with RecParams::dk set every other gradient
+// (dk, dbeta, and dg with RecParams::dg). Test builds only: 3.5-4x slower with dk than without
+// (docs/backward.md "The reverse step with every gradient"), so the library does not take it yet.
 //
 // Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
 // leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
@@ -13,10 +14,13 @@
 // Roles (warpgroups; one-way hand-overs by mbarriers, no CTA barrier in the loop):
 //   P (WG0, one thread): q, k, v, dO (two 64-column boxes each) and the region's Tu' image and
 //      gates (inverse.cuh) into the stage ring, chunks in reverse order; for the chunks whose
-//      gradients are formed, the states pass's S' image (one bulk copy into its own tile).
+//      gradients are formed, the states pass's S' image (one bulk copy into its own tile), and
+//      with dk the region's T' image (into D''s tile once D' is read).
 //   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
-//      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens).
-//   K (WG2): dU' (fp16 tile) from the register operand Kd' and the two tiles; dv -> global.
+//      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens);
+//      dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i.
+//   K (WG2): Z and U''; dU' (fp16 tile) from the register operand Kd' and the two tiles; dv; with
+//      dk, after dv, the rest of the gradients (dk, dbeta, dg) in the tiles the chain has left.
 //   S (WG3): dS^T (128 x 128 fp32 accumulators, 128 registers a thread) across the chunks; Qg'
 //      and D' (fp16 copies of q and dO); the fp16 copy dSn' the next chunk's dU reads.
 // Operands with the keys' exponents ek (K' = diag(2^ek) K, unit rows; inverse.cuh) and per-tile
@@ -63,9 +67,11 @@ struct StepCfg {
   static constexpr uint32_t kStageBytes = kGates + 1024;
   static constexpr uint32_t kTx = 4 * kQKBytes + kImgTokTok * 2 + kInvGateCopy;
   // Tiles between the roles, one of each: S' (v, d) in the input type (the states pass's image,
-  // loaded by P for A and K), Pg'' (i, j), Kw then W' (j, d), dU' (j, v), dSn' (v, d), S's Qg'
-  // (i, d) then A's dA'' (i, j), S's D' (i, v), K's Z' then U'' (tok, v); then the scalars
-  // (units, reductions, mbarriers).
+  // loaded by P for A and K; with dk then K's dVb'', dMb'', X'' and dg's sums), Pg'' (i, j) then
+  // A's dA'', Kw then W' (j, d) (with dk then dv's store tile and dW'''), dU' (j, v) (then dv's
+  // store tile, or with dk dKb''), dSn' (v, d), S's Qg' (i, d) then dq's store tile, S's D' (i, v)
+  // (with dk then T' and A's dg sums), K's Z' then U'' (tok, v); then the scalars (units,
+  // reductions), beta and the mbarriers.
   static constexpr uint32_t kS = kStages * kStageBytes;
   static constexpr uint32_t kPg = kS + 2 * kQKBytes;
   static constexpr uint32_t kW = kPg + kImgTokTok * 2;
@@ -92,6 +98,12 @@ constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 constexpr int kMiscSdot = 40;  // dg: S's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
+
+// Whether the step's tiles in the input type T need power-of-two units: fp16's range does, bf16
+// has fp32's exponent range, so a bf16 tile holds the plain values (the same relative rounding,
+// no warpgroup reduction for a unit). fp16 tiles of sequential operands keep theirs.
+template <class T>
+constexpr bool kTileUnits = std::is_same<T, cutlass::half_t>::value;
 
 // A unit for a largest magnitude m: 2^unit m in [2^13, 2^14) (0 for m = 0), kept in [-60, 60] so
 // that sums of two units stay inside fp32's exponent range.
@@ -468,9 +480,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaDP, rD, rU, accD, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(d_free);  // (D' for S, U'' for K)
-        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
-        // into the tile of Pg'' once K's product has read it (du_ready); K reads dA'' for dk
-        // before it releases the stage, so the next Pg'' cannot overwrite it early.
+        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type (ea
+        // = 0 for bf16), into the tile of Pg'' once K's product has read it (du_ready); K reads
+        // dA'' for dk before it releases the stage, so the next Pg'' cannot overwrite it early.
         float m = 0.f;
         const GateFactors gf(gt, cP, len);
         CUTE_UNROLL
@@ -478,7 +490,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           accD(e) = gf.scaled(e, -ed - eut, p.scale, accD(e));
           m = fmaxf(m, fabsf(accD(e)));
         }
-        const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+        const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
         const float fa = pow2c(ea);
         mbar_wait(du_ready, c & 1);
         stmatrix_rows<64, T>(tDA, wt, [&](int e) { return accD(e) * fa; });
@@ -807,7 +819,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         CUTE_UNROLL
         for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
         float2 db = row_dot<T>(acc, cK, tVs);
-        const int evb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        const int evb = kTileUnits<T> ? step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;
         mbar_wait(qg_free, c & 1);
         {
           const float fv = pow2c(evb);
@@ -830,7 +842,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           db.y += g1;
           kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
         }
-        const int ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        int ekb = 0;
+        if constexpr (kTileUnits<T>) ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        else wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
         {
           const float fk = pow2c(ekb);
           Tensor t = tile16(Cfg::kDU);
@@ -926,7 +940,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               sdK[128 + r0 + 8] = rs.y + kb.y;
             }
           }
-          em = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (every X product has read dVb'')
+          em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
           const float fm = pow2c(em);
           Tensor tMb = tileTT(kMb);
           stmatrix_rows<64, T>(tMb, wt, [&](int e) { return accX(e) * fm; });
@@ -1024,9 +1038,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
         }
         {
-          const float f = pow2c(em - ea);
-          CUTE_UNROLL
-          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          if constexpr (kTileUnits<T>) {
+            const float f = pow2c(em - ea);
+            CUTE_UNROLL
+            for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          }
           Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
           Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
           Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
