@@ -99,12 +99,6 @@ constexpr int kMiscSdot = 40;  // dg: S's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
 
-// Whether the step's tiles in the input type T need power-of-two units: fp16's range does, bf16
-// has fp32's exponent range, so a bf16 tile holds the plain values (the same relative rounding,
-// no warpgroup reduction for a unit). fp16 tiles of sequential operands keep theirs.
-template <class T>
-constexpr bool kTileUnits = std::is_same<T, cutlass::half_t>::value;
-
 // A unit for a largest magnitude m: 2^unit m in [2^13, 2^14) (0 for m = 0), kept in [-60, 60] so
 // that sums of two units stay inside fp32's exponent range.
 __device__ __forceinline__ int step_unit(float m) { return m > 0.f ? max(-60, min(60, 13 - float_exponent(m))) : 0; }
@@ -480,9 +474,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaDP, rD, rU, accD, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(d_free);  // (D' for S, U'' for K)
-        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type (ea
-        // = 0 for bf16), into the tile of Pg'' once K's product has read it (du_ready); K reads
-        // dA'' for dk before it releases the stage, so the next Pg'' cannot overwrite it early.
+        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
+        // into the tile of Pg'' once K's product has read it (du_ready); K reads dA'' for dk
+        // before it releases the stage, so the next Pg'' cannot overwrite it early.
         float m = 0.f;
         const GateFactors gf(gt, cP, len);
         CUTE_UNROLL
@@ -490,7 +484,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           accD(e) = gf.scaled(e, -ed - eut, p.scale, accD(e));
           m = fmaxf(m, fabsf(accD(e)));
         }
-        const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
+        const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
         const float fa = pow2c(ea);
         mbar_wait(du_ready, c & 1);
         stmatrix_rows<64, T>(tDA, wt, [&](int e) { return accD(e) * fa; });
@@ -819,7 +813,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         CUTE_UNROLL
         for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
         float2 db = row_dot<T>(acc, cK, tVs);
-        const int evb = kTileUnits<T> ? step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;
+        const int evb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
         mbar_wait(qg_free, c & 1);
         {
           const float fv = pow2c(evb);
@@ -842,9 +836,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           db.y += g1;
           kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
         }
-        int ekb = 0;
-        if constexpr (kTileUnits<T>) ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
-        else wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
+        const int ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
         {
           const float fk = pow2c(ekb);
           Tensor t = tile16(Cfg::kDU);
@@ -940,7 +932,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               sdK[128 + r0 + 8] = rs.y + kb.y;
             }
           }
-          em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
+          em = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (ex's barrier: every X product has read dVb'')
           const float fm = pow2c(em);
           Tensor tMb = tileTT(kMb);
           stmatrix_rows<64, T>(tMb, wt, [&](int e) { return accX(e) * fm; });
@@ -1038,11 +1030,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
         }
         {
-          if constexpr (kTileUnits<T>) {
-            const float f = pow2c(em - ea);
-            CUTE_UNROLL
-            for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          }
+          const float f = pow2c(em - ea);
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
           Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
           Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
           Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
