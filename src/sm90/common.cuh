@@ -96,6 +96,21 @@ __device__ __forceinline__ void gemm_sync(MMA& mma, const FA& rA, const FB& rB, 
   warpgroup_fence_operand(acc);
 }
 
+// Two wgmma products acc (+)= A B, acc2 (+)= A2 B2 of one tiled MMA in one batch, waited for.
+template <class MMA, class FA, class FB, class Acc, class FA2, class FB2, class Acc2>
+__device__ __forceinline__ void gemm_pair_sync(MMA& mma, const FA& rA, const FB& rB, Acc& acc, const FA2& rA2, const FB2& rB2,
+                                               Acc2& acc2, GMMA::ScaleOut first) {
+  warpgroup_fence_operand(acc);
+  warpgroup_fence_operand(acc2);
+  warpgroup_arrive();
+  gemm_k(mma, rA, rB, acc, first);
+  gemm_k(mma, rA2, rB2, acc2, first);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  warpgroup_fence_operand(acc2);
+}
+
 // Split x into hi + lo 16-bit parts (x - hi is exact in fp32).
 template <class T>
 __device__ __forceinline__ void split2(float x, T& hi, T& lo) {

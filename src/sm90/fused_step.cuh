@@ -660,10 +660,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
           gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
         }
-        m = 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
-        const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
+        const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
         {
           const float f = pow2c(eu);
           stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
@@ -712,10 +709,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
       QLA_PHASE(6);
       // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready.
-      float m = 0.f;
-      CUTE_UNROLL
-      for (int e = 0; e < size(accK); ++e) m = fmaxf(m, fabsf(accK(e)));
-      const int eu = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+      const int eu = step_unit(wg_max(abs_max(accK), fmisc + kMiscRedK, wt, kBarStepK, flip++));
       {
         const float f = pow2c(eu);
         stmatrix_rows<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
@@ -858,15 +852,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             Tensor rB = thrX.partition_fragment_B(tVs);
             Tensor rA2 = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kDU)), typename LT::TokD_K{}));
             Tensor rB2 = thrX.partition_fragment_B(tKs);
-            warpgroup_fence_operand(accX);
-            warpgroup_fence_operand(accX2);
-            warpgroup_arrive();
-            gemm_k(mmaX, rA, rB, accX, GMMA::ScaleOut::Zero);
-            gemm_k(mmaX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
-            warpgroup_commit_batch();
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(accX);
-            warpgroup_fence_operand(accX2);
+            gemm_pair_sync(mmaX, rA, rB, accX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
           }
           {
             const float fv = pow2c(-evb), fk = pow2c(-ekb);
@@ -1109,15 +1095,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   };
   // accS += A B for both halves of v (A's halves rA0, rA1; B shared), waited for.
   auto add_product = [&](auto& rA0, auto& rA1, auto& rB) {
-    warpgroup_fence_operand(accS0);
-    warpgroup_fence_operand(accS1);
-    warpgroup_arrive();
-    gemm_k(mmaU, rA0, rB, accS0, GMMA::ScaleOut::One);
-    gemm_k(mmaU, rA1, rB, accS1, GMMA::ScaleOut::One);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accS0);
-    warpgroup_fence_operand(accS1);
+    gemm_pair_sync(mmaU, rA0, rB, accS0, rA1, rB, accS1, GMMA::ScaleOut::One);
   };
   // d(final state), or the gradient leaving the piece (its map slot), or zero.
   {
