@@ -141,6 +141,15 @@ struct Lay {
   using TokV_K = decltype(tile_to_shape(K64Atom{}, Shape<_64, _128>{}));                       // (tok, v)
   using VTok_MN = decltype(tile_to_shape(MN64Atom{}, Shape<_128, _64>{}, Step<_2, _1>{}));     // (v, tok)
 };
+// Byte of element (row, col) of a (tok, 128) 16-bit TokD_K tile: 64-column boxes of 8 KiB, rows of
+// 128 bytes, a row's 16-byte runs swizzled by its low three bits (the layout test checks it against
+// Lay<T>::TokD_K). Kernels that index such a tile per element use it instead of CuTe's coordinate
+// tensors, whose per-element addresses the compiler hoists and holds across a loop.
+__host__ __device__ constexpr uint32_t tokd_byte(int row, int col) {
+  return 8192u * static_cast<uint32_t>(col >> 6) + 128u * static_cast<uint32_t>(row) +
+         16u * static_cast<uint32_t>(((col >> 3) & 7) ^ (row & 7)) + 2u * static_cast<uint32_t>(col & 7);
+}
+
 // Element offset of (i, j) in a swizzled image. The GMMA layouts swizzle the shared-memory
 // address bits, so evaluating the layout alone would miss the swizzle: go through a tensor over a
 // 1024-byte aligned base (any; only the offset is used; the layout test calls it on the host).

@@ -18,7 +18,8 @@
 //      with dk the region's T' image (into D''s tile once D' is read).
 //   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
 //      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens);
-//      dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i.
+//      dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i and
+//      e^Gamma <dSn, S> (from dSn' and S').
 //   K (WG2): Z and U''; dU' (fp16 tile) from the register operand Kd' and the two tiles; dv; with
 //      dk, after dv, the rest of the gradients (dk, dbeta, dg) in the tiles the chain has left.
 //   S (WG3): dS^T (128 x 128 fp32 accumulators, 128 registers a thread) across the chunks; Qg'
@@ -57,7 +58,7 @@ struct StepCfg {
   static constexpr int kThreads = 512;  // P, A, K, S
   static constexpr int kStages = 1;
   // Registers per thread by role (setmaxnreg; sum <= 512): P, A, K, S.
-  static constexpr int kRegs[4] = {24, 160, 160, 168};
+  static constexpr int kRegs[4] = {24, 160, 168, 160};
   static constexpr int kEntryRegs = (65536 / kThreads) & ~7;
   static_assert(kRegs[0] + kRegs[1] + kRegs[2] + kRegs[3] <= 512, "register budgets over the SM's");
   // The stage (1 KiB aligned parts): q, k, v, dO (16-bit inputs as loaded, (tok, d | v), two
@@ -95,9 +96,15 @@ struct StepCfg {
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
-constexpr int kMiscSdot = 40;  // dg: S's four warp partials of e^Gamma <dSn, S>
+constexpr int kMiscSdot = 40;  // dg: A's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
+
+// Whether the step's tiles in the input type T need power-of-two units: fp16's range does, bf16
+// has fp32's exponent range, so a bf16 tile holds the plain values (the same relative rounding,
+// no warpgroup reduction for a unit). fp16 tiles of sequential operands keep theirs.
+template <class T>
+constexpr bool kTileUnits = std::is_same<T, cutlass::half_t>::value;
 
 // A unit for a largest magnitude m: 2^unit m in [2^13, 2^14) (0 for m = 0), kept in [-60, 60] so
 // that sums of two units stay inside fp32's exponent range.
@@ -185,15 +192,47 @@ __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, 
   }
 }
 
-// <acc_i, X_i> over the columns of a 64 x N accumulator (coordinates cc), X a (tok, N) 16-bit
-// tile of type T; rows r0 and r0 + 8 of the thread, summed over the quad that holds them in a
-// fixed order.
-template <class T, class Acc, class C, class TX>
-__device__ __forceinline__ float2 row_dot(const Acc& acc, const C& cc, const TX& tX) {
+// wt through an empty volatile asm: the coordinates and shared-memory addresses derived from it
+// are formed where they are used instead of being hoisted out of the chunk loop and held across
+// it. Held, K's tail spilled them (dozens of tile addresses) to local memory, which misses L1
+// beside 227 KiB of shared memory: over half of the step's stall cycles (perf log bwd-41).
+__device__ __forceinline__ int fresh(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// The thread's element pairs (e, e + 1), e even, of a 64 x 128 accumulator (rows r0 + 8 h,
+// columns 8 b + 2 (lane % 4) + {0, 1}; h = (e >> 1) & 1, b = e >> 2) as bytes of a (tok, 128)
+// TokD_K tile: tokd_byte (common.cuh) of (row_of(e), col_of(e)), formed from eight swizzled run
+// offsets and immediates.
+struct TokDPairs {
+  uint32_t row, x;
+  int r0, c0;
+  __device__ __forceinline__ explicit TokDPairs(int wt) {
+    const int t = fresh(wt), lane = t & 31;
+    r0 = 16 * (t >> 5) + (lane >> 2);
+    c0 = 2 * (lane & 3);
+    row = 128u * r0 + 4u * (lane & 3);
+    x = 16u * (lane >> 2);
+  }
+  __device__ __forceinline__ uint32_t operator()(int e) const {
+    const int b = e >> 2;
+    return row + ((16u * (b & 7)) ^ x) + 8192u * (b >> 3) + 1024u * ((e >> 1) & 1);
+  }
+  __device__ __forceinline__ int row_of(int e) const { return r0 + 8 * ((e >> 1) & 1); }
+  __device__ __forceinline__ int col_of(int e) const { return c0 + 8 * (e >> 2) + (e & 1); }
+};
+
+// <acc_i, X_i> over the columns of a 64 x 128 accumulator, X a (tok, 128) TokD_K tile of type T
+// at shared address tile; rows r0 and r0 + 8 of the thread, summed over the quad that holds them
+// in a fixed order.
+template <class T, class Acc>
+__device__ __forceinline__ float2 row_dot(const Acc& acc, uint32_t tile, int wt) {
+  const TokDPairs pr(wt);
   float s[2] = {0.f, 0.f};
   CUTE_UNROLL
   for (int e = 0; e < size(acc); e += 2) {
-    const float2 x = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tX(get<0>(cc(e)), get<1>(cc(e)))))));
+    const float2 x = unpack2<T>(lds_u32(tile + pr(e)));
     s[acc_half(e)] += acc(e) * x.x + acc(e + 1) * x.y;
   }
   CUTE_UNROLL
@@ -267,7 +306,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* u_ready = s_empty + 1;        // K: U'' and its units (chunks with gradients)
   uint64_t* qg_free = u_ready + 1;        // S: its product has read Qg' (A's dA'' goes there)
   uint64_t* du_free = qg_free + 1;        // S: its product has read dU' (K's dv goes there)
-  uint64_t* dsn_free = du_free + 1;       // K: its reads of dSn' done (S may write the next)
+  uint64_t* dsn_free = du_free + 1;       // A and K: their reads of dSn' done (S may write the next)
   uint64_t* tm_full = dsn_free + 1;       // P: the region's T' image in D''s tile (chunks with dk)
   uint64_t* da_ready = tm_full + 1;       // A: dA'' in Pg''s tile and its unit ea (chunks with gradients)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
@@ -288,7 +327,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(u_ready, 128);
     mbar_init(qg_free, 128);
     mbar_init(du_free, 128);
-    mbar_init(dsn_free, 128);
+    mbar_init(dsn_free, 2 * 128);
     mbar_init(tm_full, 1);
     mbar_init(da_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -385,6 +424,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const StepGates gt(stb);
       const int len = chunk_len(c);
       const bool grads = step_grads(c);  // (the gradients of this chunk)
+      const bool sdot = grads && p.dg && p.dk;  // A reads dSn' for dg's e^Gamma <dSn, S>
       mbar_wait(&full[c % kStages], sparity(c));
       QLA_PHASE(0);
       // P = Q K^T (raw inputs), under the bound of the unit of Pg''.
@@ -412,7 +452,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(2);
       {
         const GateFactors gf(gt, cP, len);
-        stmatrix_rows<64, T>(tPg, wt, [&](int e) { return gf.scaled(e, ep, p.scale, accP(e)); });
+        stmatrix_rows<64, T>(tPg, fresh(wt), [&](int e) { return gf.scaled(e, ep, p.scale, accP(e)); });
       }
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
@@ -438,10 +478,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       wg_bar(kBarStepA);  // every warp's product has read Kw
       {
         const float wsc = -pow2c(-et);
-        stmatrix_rows<128, H>(tW, wt, [&](int e) { return wsc * accW(e); });
+        stmatrix_rows<128, H>(tW, fresh(wt), [&](int e) { return wsc * accW(e); });
       }
       fence_async_smem();
       mbar_arrive(w_ready);
+      if (!sdot) mbar_arrive(dsn_free);
       QLA_PHASE(5);
       if (grads) {
         // dq = scale diag(e^gamma) dO S^T + dA K: accQ = dO S^T first (it waits for S' alone), its
@@ -454,11 +495,31 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor rSt = thrQ.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
           gemm_sync(mmaQ, rO, rSt, accQ, GMMA::ScaleOut::Zero);
         }
+        if (sdot) {
+          // dg: e^Gamma <dSn, S> (B33) = e^Gamma 2^-en <dSn', S'>: dSn' (fp16) and the S' image have the
+          // same (v, d) layout, so the pairs are the same bytes of both; four warp partials for K.
+          const uint32_t sa = smem_u32(sm + Cfg::kDSn) + 16u * fresh(wt), sb = smem_u32(sm + Cfg::kS) + 16u * wt;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int r = 0; r < 16; ++r) {
+            const uint4 x = lds_u128(sa + 2048u * r), y = lds_u128(sb + 2048u * r);
+            const uint32_t *px = &x.x, *py = &y.x;
+            CUTE_UNROLL
+            for (int q = 0; q < 4; ++q) {
+              const float2 fx = unpack2<H>(px[q]), fy = unpack2<T>(py[q]);
+              sum += fx.x * fy.x + fx.y * fy.y;
+            }
+          }
+          CUTE_UNROLL
+          for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+          if ((wt & 31) == 0) fmisc[kMiscSdot + (wt >> 5)] = sum * gt.eG() * pow2c(-misc[kMiscEn]);  // (K reads them after da_ready)
+          mbar_arrive(dsn_free);
+        }
         mbar_arrive(s_empty);  // A's reads of S' are done
         float2 t1 = make_float2(0.f, 0.f);  // dg: <scale e^gamma_i (dO S^T)_i, Q_i> (B31)
         if (p.dg && p.dk) {
           const int r0 = get<0>(cY(0));
-          t1 = row_dot<T>(accQ, cY, make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kQ)), typename LT::TokD_K{}));
+          t1 = row_dot<T>(accQ, smem_u32(stb + Cfg::kQ), wt);
           t1.x = r0 < len ? t1.x * p.scale * gt.eg()[r0] : 0.f;
           t1.y = r0 + 8 < len ? t1.y * p.scale * gt.eg()[r0 + 8] : 0.f;
         }
@@ -474,9 +535,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaDP, rD, rU, accD, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(d_free);  // (D' for S, U'' for K)
-        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type,
-        // into the tile of Pg'' once K's product has read it (du_ready); K reads dA'' for dk
-        // before it releases the stage, so the next Pg'' cannot overwrite it early.
+        // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type (ea
+        // = 0 for bf16), into the tile of Pg'' once K's product has read it (du_ready); K reads
+        // dA'' for dk before it releases the stage, so the next Pg'' cannot overwrite it early.
         float m = 0.f;
         const GateFactors gf(gt, cP, len);
         CUTE_UNROLL
@@ -484,10 +545,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           accD(e) = gf.scaled(e, -ed - eut, p.scale, accD(e));
           m = fmaxf(m, fabsf(accD(e)));
         }
-        const int ea = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+        const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
         const float fa = pow2c(ea);
         mbar_wait(du_ready, c & 1);
-        stmatrix_rows<64, T>(tDA, wt, [&](int e) { return accD(e) * fa; });
+        stmatrix_rows<64, T>(tDA, fresh(wt), [&](int e) { return accD(e) * fa; });
         if (wt == 0) misc[kMiscEa] = ea;
         fence_async_smem();
         wg_bar(kBarStepA);  // dA'' written by every thread
@@ -511,7 +572,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // the next Qg' there). Partial chunks store from registers: a box would write past the
           // sequence's end.
           mbar_wait(qg_free, c & 1);
-          stmatrix_rows<128, T>(tDQ, wt, [&](int e) { return accQ(e) * inv; });
+          stmatrix_rows<128, T>(tDQ, fresh(wt), [&](int e) { return accQ(e) * inv; });
           fence_async_smem();
           wg_bar(kBarStepA);
           if (wt == 0) {
@@ -585,7 +646,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto thrD = mmaD.get_thread_slice(wt);
     auto thrG = mmaG.get_thread_slice(wt);
     auto thrV = mmaV.get_thread_slice(wt);
-    Tensor cK = thrD.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (j, v); also Kd''s (j, d)
     Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
     Tensor tDV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kDU)), typename LT::TokD_K{});  // then dv's
     Tensor rDSn = thrD.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_K{}));
@@ -634,15 +694,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
         }
         if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
-        Tensor tV = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kV)), typename LT::TokD_K{});
-        const int r0 = get<0>(cK(0));
-        const float egr[2] = {gt.eg()[r0], gt.eg()[r0 + 8]};
+        const TokDPairs pr(wt);
+        const uint32_t sV = smem_u32(stb + Cfg::kV);
+        const float egr[2] = {gt.eg()[pr.r0], gt.eg()[pr.r0 + 8]};
         float m = 0.f;
         CUTE_UNROLL
         for (int e = 0; e < size(acc); e += 2) {  // (v's rows past the end are selected away: they may be NaN)
-          const int i = get<0>(cK(e)), v = get<1>(cK(e));
+          const int i = pr.row_of(e);
           const float egi = egr[acc_half(e)];
-          const float2 v2 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tV(i, v)))));
+          const float2 v2 = unpack2<T>(lds_u32(sV + pr(e)));
           acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
           acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
           m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
@@ -651,7 +711,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
         {
           const float f = pow2c(ez);
-          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+          stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
@@ -663,7 +723,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
         {
           const float f = pow2c(eu);
-          stmatrix_rows<128, H>(tU, wt, [&](int e) { return acc(e) * f; });
+          stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
         }
         if (wt == 0) misc[kMiscEut] = eu + gt.et() + ez;
         fence_async_smem();
@@ -671,17 +731,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(2);
       {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
-        Tensor tK = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{});
-        const int r0 = get<0>(cK(0));
+        const TokDPairs pr(wt);
+        const uint32_t sK = smem_u32(stb + Cfg::kK);
         float f[2];
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
-          const int j = r0 + 8 * h;
+          const int j = pr.r0 + 8 * h;
           f[h] = j < len ? gt.egk()[j] * pow2c(gt.kexp()[j]) : 0.f;
         }
         CUTE_UNROLL
         for (int e = 0; e < size(rKd); e += 2) {
-          const float2 k2 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tK(get<0>(cK(e)), get<1>(cK(e)))))));
+          const float2 k2 = unpack2<T>(lds_u32(sK + pr(e)));
           const float fh = f[acc_half(e)];
           rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
           rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
@@ -708,11 +768,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       warpgroup_fence_operand(rKd);
       gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
       QLA_PHASE(6);
-      // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready.
+      // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready,
+      // and the last chunk's dk store reads that tile before eu's barrier.
+      if (wt == 0 && p.dk_tma) bulk_wait_read();
       const int eu = step_unit(wg_max(abs_max(accK), fmisc + kMiscRedK, wt, kBarStepK, flip++));
       {
         const float f = pow2c(eu);
-        stmatrix_rows<128, H>(tDU, wt, [&](int e) { return accK(e) * f; });
+        stmatrix_rows<128, H>(tDU, fresh(wt), [&](int e) { return accK(e) * f; });
       }
       if (wt == 0) misc[kMiscEu] = en + eu;  // dU''s units, for S
       fence_async_smem();
@@ -738,7 +800,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         Tensor tStg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + stg)), typename LT::TokD_K{});
         mbar_wait(du_free, c & 1);
         wg_bar(kBarStepK);
-        stmatrix_rows<128, T>(tStg, wt, [&](int e) { return accV(e) * dvsc; });
+        stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accV(e) * dvsc; });
         fence_async_smem();
         wg_bar(kBarStepK);
         if (wt == 0) {
@@ -752,16 +814,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       } else if (dv_out) {
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         T* base = dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2];
+        const TokDPairs pr(wt);
         CUTE_UNROLL
         for (int e = 0; e < size(accV); e += 2) {
-          const int i = get<0>(cK(e)), v = get<1>(cK(e));
+          const int i = pr.row_of(e), v = pr.col_of(e);
           if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.so[1] + v) = pack2<T>(accV(e) * dvsc, accV(e + 1) * dvsc);
         }
       }
       QLA_PHASE(8);
       if (dkc) {
         // dk and dbeta (and dg with p.dg): the header's equations, from the tiles the chain has left.
-        const int gi = c - role.nwarm, ap = en + eu, r0 = get<0>(cK(0));
+        const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
         Tensor tKs = stageT(stb, Cfg::kK, typename LT::TokD_K{});
@@ -773,10 +836,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         Tensor acc = partition_fragment_C(mmaTW, Shape<_64, _128>{});
         {
           Tensor rDUt = make_tensor<T>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // (j, v), the accumulator's element order
-          Tensor tDUh = make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
+          const TokDPairs pr(wt);
+          const uint32_t sDU = smem_u32(sm + Cfg::kDU);
           CUTE_UNROLL
           for (int e = 0; e < size(rDUt); e += 2) {
-            const float2 u2 = unpack2<H>(lds_u32(smem_u32(raw_pointer_cast(&tDUh(get<0>(cK(e)), get<1>(cK(e)))))));
+            const float2 u2 = unpack2<H>(lds_u32(sDU + pr(e)));
             rDUt(e) = T(u2.x);
             rDUt(e + 1) = T(u2.y);
           }
@@ -790,13 +854,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         {
           Tensor tW3 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
           const float fw = pow2c(ew);
-          stmatrix_rows<128, H>(tW3, wt, [&](int e) { return acc(e) * fw; });
+          stmatrix_rows<128, H>(tW3, fresh(wt), [&](int e) { return acc(e) * fw; });
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
         QLA_PHASE(9);
         // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
-        // warp's dW has read it: the barrier above; S's <dSn, S> too: qg_free).
+        // warp's dW has read it: the barrier above).
         mbar_wait(tm_full, gi & 1);
         Tensor rTt = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_MN{}));
         Tensor rW3 = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
@@ -806,13 +870,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
         CUTE_UNROLL
         for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
-        float2 db = row_dot<T>(acc, cK, tVs);
-        const int evb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
-        mbar_wait(qg_free, c & 1);
+        float2 db = row_dot<T>(acc, smem_u32(stb + Cfg::kV), wt);
+        const int evb = kTileUnits<T> ? step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;
         {
           const float fv = pow2c(evb);
           Tensor t = tile16(Cfg::kS);
-          stmatrix_rows<128, T>(t, wt, [&](int e) { return acc(e) * fv; });
+          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fv; });
         }
         // dKb = -2^-(ew + ap + ek_i) T'^T dW''' (rows < len): e^gamma_i <dKb_i, K_i> is dbeta's
         // second row dot, beta_i times it a's (B31); dKb'' over dU' (every K warp's dVb has read
@@ -824,17 +887,19 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
         float2 kb;  // <dK_b_i, K_i>
         {
-          const float2 d2 = row_dot<T>(acc, cK, tKs);
+          const float2 d2 = row_dot<T>(acc, smem_u32(stb + Cfg::kK), wt);
           const float g0 = r0 < len ? eg[r0] * d2.x : 0.f, g1 = r0 + 8 < len ? eg[r0 + 8] * d2.y : 0.f;
           db.x += g0;
           db.y += g1;
           kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
         }
-        const int ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        int ekb = 0;
+        if constexpr (kTileUnits<T>) ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        else wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
         {
           const float fk = pow2c(ekb);
           Tensor t = tile16(Cfg::kDU);
-          stmatrix_rows<128, T>(t, wt, [&](int e) { return acc(e) * fk; });
+          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fk; });
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dVb'' and dKb'' written
@@ -867,7 +932,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             const int ex = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
             const float fx = pow2c(ex);
             Tensor tX = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kX)), typename LH::TokTok_K{});
-            stmatrix_rows<64, H>(tX, wt, [&](int e) { return accX(e) * fx; });
+            stmatrix_rows<64, H>(tX, fresh(wt), [&](int e) { return accX(e) * fx; });
             fence_async_smem();
             wg_bar(kBarStepK);  // X'' written
             // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
@@ -918,10 +983,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               sdK[128 + r0 + 8] = rs.y + kb.y;
             }
           }
-          em = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (ex's barrier: every X product has read dVb'')
+          em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
           const float fm = pow2c(em);
           Tensor tMb = tileTT(kMb);
-          stmatrix_rows<64, T>(tMb, wt, [&](int e) { return accX(e) * fm; });
+          stmatrix_rows<64, T>(tMb, fresh(wt), [&](int e) { return accX(e) * fm; });
         }
         QLA_PHASE(11);
         // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
@@ -989,7 +1054,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           for (int e = 0; e < size(accDK); ++e) accDK(e) = fr[acc_half(e)] != 0.f ? accDK(e) * fr[acc_half(e)] : 0.f;
         }
         if (p.dg) {
-          const float2 x = row_dot<T>(accDK, cK, tKs);
+          const float2 x = row_dot<T>(accDK, smem_u32(stb + Cfg::kK), wt);
           if ((wt & 3) == 0) {
             sdK[64 + r0] = r0 < len ? x.x : 0.f;
             sdK[64 + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
@@ -1016,9 +1081,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
         }
         {
-          const float f = pow2c(em - ea);
-          CUTE_UNROLL
-          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          if constexpr (kTileUnits<T>) {
+            const float f = pow2c(em - ea);
+            CUTE_UNROLL
+            for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          }
           Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
           Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
           Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
@@ -1027,14 +1094,30 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         }
         QLA_PHASE(14);
-        // dk (per value head; rows < len) and dbeta out.
+        // dk (per value head; rows < len) and dbeta out: a full chunk's dk into dU''s tile (its
+        // last reader, the X product, is done), then two bulk tensor stores, whose reads end before
+        // K writes the next dU' there (bulk_wait_read before eu's barrier); partial chunks from
+        // registers.
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
-        {
+        if (p.dk_tma && len == kC) {
+          const float f = pow2c(-em);
+          Tensor tStg = tile16(Cfg::kDU);
+          stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accDK(e) * f; });
+          fence_async_smem();
+          wg_bar(kBarStepK);
+          if (wt == 0) {
+            CUTE_UNROLL
+            for (int h = 0; h < 2; ++h)
+              tma_store_4d(&p.tmdk, sm + Cfg::kDU + h * (kQKBytes / 2), h * 64, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
+            bulk_commit();
+          }
+        } else {
           const float f = pow2c(-em);
           T* base = static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2];
+          const TokDPairs pr(wt);
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); e += 2) {
-            const int i = get<0>(cK(e)), d = get<1>(cK(e));
+            const int i = pr.row_of(e), d = pr.col_of(e);
             if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdk[1] + d) = pack2<T>(accDK(e) * f, accDK(e + 1) * f);
           }
         }
@@ -1045,7 +1128,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         if (p.dg) {
           // dg (B33): a_i = A's part (D''s tile after T') + K's rows - K's column sums, x_i as above;
-          // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (S's four warp partials).
+          // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (A's four warp partials).
           const float* sdA = reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2);
           wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready)
           if (wt < kC)
@@ -1064,7 +1147,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(15);
     }
     QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, X dL dM KK, Tb'', dK_d dK_b, dA^T Q dM K, out)", 16, nch);
-    if (wt == 0 && p.dv_tma) bulk_wait_all();  // dv's bulk stores performed before the CTA ends
+    if (wt == 0 && (p.dv_tma || p.dk_tma)) bulk_wait_all();  // dv's and dk's bulk stores performed before the CTA ends
     return;
   }
 
@@ -1114,8 +1197,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const float f = pow2c(de);
     Tensor t0 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(0, 0));
     Tensor t1 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(1, 0));
-    stmatrix_rows<128, H>(t0, wt, [&](int e) { return accS0(e) * f; });
-    stmatrix_rows<128, H>(t1, wt, [&](int e) { return accS1(e) * f; });
+    stmatrix_rows<128, H>(t0, fresh(wt), [&](int e) { return accS0(e) * f; });
+    stmatrix_rows<128, H>(t1, fresh(wt), [&](int e) { return accS1(e) * f; });
     if (wt == 0) misc[kMiscEn] = a + de;
     fence_async_smem();
     mbar_arrive(dsn_ready);
@@ -1128,21 +1211,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const int len = chunk_len(c);
     mbar_wait(&full[c % kStages], sparity(c));
     QLA_PHASE(0);
-    if (p.dg && step_dk(c)) {  // dg: e^Gamma <dSn, S> (B33), accS = 2^a dSn^T and the S' image (v, d) = S^T
-      mbar_wait(s_full, (c - role.nwarm) & 1);
-      Tensor tS = make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{});
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int e = 0; e < size(accS0); e += 2) {
-        const int v = get<0>(cS(e)), d = get<1>(cS(e));
-        const float2 x0 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tS(v, d)))));
-        const float2 x1 = unpack2<T>(lds_u32(smem_u32(raw_pointer_cast(&tS(v + 64, d)))));
-        sum += accS0(e) * x0.x + accS0(e + 1) * x0.y + accS1(e) * x1.x + accS1(e + 1) * x1.y;
-      }
-      CUTE_UNROLL
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if ((wt & 31) == 0) fmisc[kMiscSdot + (wt >> 5)] = sum * gt.eG() * pow2c(-a);  // (K reads them after qg_free)
-    }
     // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
     // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
     // in bench/fused_reverse_model.py.)

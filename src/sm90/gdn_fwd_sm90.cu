@@ -764,6 +764,7 @@ Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const
   };
   rp.dq_tma = store_map(dq, &rp.tmdq);
   rp.dv_tma = store_map(dv, &rp.tmdv);
+  rp.dk_tma = rp.dk ? store_map(*dk, &rp.tmdk) : 0;
   rp.tiles_log2 = 0;  // one V tile of 128 per value head
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);

@@ -77,9 +77,11 @@ struct RecParams {
   int dq_tma, dv_tma;
   // The reverse step's dk (per value head, as dq; null: dk, dbeta, dg not formed) and dbeta
   // ((b, t, value head), its dtype db_dt), from beta (its dtype b_dt) and the inverse kernel's T'
-  // images (8 KiB per region).
+  // images (8 KiB per region); full chunks of dk by bulk tensor stores where dk_tma.
   void* dk;
   int64_t sdk[3];
+  CUtensorMap tmdk;
+  int dk_tma;
   void* dbeta;
   int64_t sdb[2];
   int db_dt;

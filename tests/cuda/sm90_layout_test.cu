@@ -193,7 +193,10 @@ int row_box_violations(T* base) {
     return byte >= lo && byte < lo + 128;
   };
   for (int r = 0; r < kC; ++r) {
-    for (int c = 0; c < kDK; ++c) bad += !in_row(offset<typename L::TokD_K>(base, r, c), r, c);
+    for (int c = 0; c < kDK; ++c) {
+      bad += !in_row(offset<typename L::TokD_K>(base, r, c), r, c);
+      bad += 2 * offset<typename L::TokD_K>(base, r, c) != static_cast<int>(tokd_byte(r, c));  // the kernels' formula
+    }
     for (int c = 0; c < kC; ++c) bad += !in_row(offset<typename L::TokTok_K>(base, r, c), r, c);
     for (int v = 0; v < 32; ++v) {
       const int byte = 2 * offset<typename RecLay<T, 32>::VTok_MN>(base, v, r);
