@@ -200,14 +200,6 @@ __device__ __forceinline__ int fresh(int x) {
   asm volatile("" : "+r"(x));
   return x;
 }
-// The same for a shared-memory base: the wgmma descriptors of a tile at a fixed offset are formed
-// where a product issues instead of being held (spilled) across the tail.
-template <class P>
-__device__ __forceinline__ P* fresh(P* p) {
-  uint64_t x = reinterpret_cast<uint64_t>(p);
-  asm volatile("" : "+l"(x));
-  return reinterpret_cast<P*>(x);
-}
 
 // The thread's element pairs (e, e + 1), e even, of a 64 x 128 accumulator (rows r0 + 8 h,
 // columns 8 b + 2 (lane % 4) + {0, 1}; h = (e >> 1) & 1, b = e >> 2) as bytes of a (tok, 128)
@@ -656,6 +648,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto thrV = mmaV.get_thread_slice(wt);
     Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
     Tensor tDV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kDU)), typename LT::TokD_K{});  // then dv's
+    Tensor rDSn = thrD.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_K{}));
+    Tensor rPgT = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_MN{}));
+    Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
     // dk and dbeta of a chunk with dk (after dv; the header's equations): every product but the
@@ -673,12 +668,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto mmaRS = make_tiled_mma(GMMA::rs_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto thrRS = mmaRS.get_thread_slice(wt);
     Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
-    // K's tiles (byte offset off from the CTA's or the stage's base), each from a fresh base (see
-    // fresh): addresses and descriptors formed at their use.
-    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokD_K{}); };
-    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokTok_K{}); };
-    auto tT = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(fresh(base) + off)), layout); };
-    auto tH = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const H*>(fresh(base) + off)), layout); };
+    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokD_K{}); };
+    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
+    auto stageT = [&](uint8_t* stb, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + off)), layout); };
     QLA_PHASES_SMEM(16, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 464, S's from + 464)
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
@@ -697,8 +689,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_wait(s_full, gi & 1);
         Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
         {
-          Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
-          Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
+          Tensor rK = thrY.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
+          Tensor rS = thrY.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{}));
           gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
         }
         if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
@@ -724,8 +716,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
         {
-          Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
-          Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
+          Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
+          Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
           gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
         }
         const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
@@ -761,8 +753,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int ep = misc[kMiscEp];
       QLA_PHASE(3);
       {
-        Tensor rO = thrG.partition_fragment_B(tT(stb, Cfg::kO, typename LT::DTok_MN{}));
-        gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rO, accK, GMMA::ScaleOut::Zero);
+        Tensor rO = thrG.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::DTok_MN{}));
+        gemm_sync(mmaG, rPgT, rO, accK, GMMA::ScaleOut::Zero);
       }
       QLA_PHASE(4);
       mbar_wait(dsn_ready, c & 1);
@@ -774,7 +766,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         for (int e = 0; e < size(accK); ++e) accK(e) *= f;
       }
       warpgroup_fence_operand(rKd);
-      gemm_sync(mmaD, rKd, thrD.partition_fragment_B(tH(sm, Cfg::kDSn, QK_K{})), accK, GMMA::ScaleOut::One);
+      gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
       QLA_PHASE(6);
       // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready,
       // and the last chunk's dk store reads that tile before eu's barrier.
@@ -794,8 +786,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
       Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
       {
-        Tensor rTuT = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
-        gemm_sync(mmaV, rTuT, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), accV, GMMA::ScaleOut::Zero);
+        Tensor rTuT = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
+        gemm_sync(mmaV, rTuT, rDUv, accV, GMMA::ScaleOut::Zero);
       }
       const float dvsc = pow2c(-(gt.et() + en + eu));
       if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
@@ -835,6 +827,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
+        Tensor tKs = stageT(stb, Cfg::kK, typename LT::TokD_K{});
+        Tensor tVs = stageT(stb, Cfg::kV, typename LT::TokD_K{});
         if (wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;  // (read after the next barriers)
         // dW'' = dU' S'^T in the input type: dU' converted into a register operand (its fp16 tile
         // stays for dVb), once A's dO S^T has read S' and A's dP U'' (d_free).
@@ -850,7 +844,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             rDUt(e) = T(u2.x);
             rDUt(e + 1) = T(u2.y);
           }
-          Tensor rB = thrRS.partition_fragment_B(tT(sm, Cfg::kS, QK_MN{}));
+          Tensor rB = thrRS.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
           warpgroup_fence_operand(rDUt);
           gemm_sync(mmaRS, rDUt, rB, acc, GMMA::ScaleOut::Zero);
         }
@@ -868,9 +862,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
         // warp's dW has read it: the barrier above).
         mbar_wait(tm_full, gi & 1);
-        Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
-        Tensor rW3 = thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{}));
-        gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), acc, GMMA::ScaleOut::Zero);
+        Tensor rTt = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_MN{}));
+        Tensor rW3 = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
+        gemm_sync(mmaV, rTt, rDUv, acc, GMMA::ScaleOut::Zero);
         float fr[2];
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
@@ -919,10 +913,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor accX = partition_fragment_C(mmaX, Shape<_64, _64>{});
           Tensor accX2 = partition_fragment_C(mmaX, Shape<_64, _64>{});
           {
-            Tensor rA = thrX.partition_fragment_A(tT(sm, Cfg::kS, typename LT::TokD_K{}));
-            Tensor rB = thrX.partition_fragment_B(tT(stb, Cfg::kV, typename LT::TokD_K{}));
-            Tensor rA2 = thrX.partition_fragment_A(tT(sm, Cfg::kDU, typename LT::TokD_K{}));
-            Tensor rB2 = thrX.partition_fragment_B(tT(stb, Cfg::kK, typename LT::TokD_K{}));
+            Tensor rA = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), typename LT::TokD_K{}));
+            Tensor rB = thrX.partition_fragment_B(tVs);
+            Tensor rA2 = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kDU)), typename LT::TokD_K{}));
+            Tensor rB2 = thrX.partition_fragment_B(tKs);
             gemm_pair_sync(mmaX, rA, rB, accX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
           }
           {
@@ -942,8 +936,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             fence_async_smem();
             wg_bar(kBarStepK);  // X'' written
             // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
-            Tensor rA = thrL.partition_fragment_A(tH(sm, kX, typename LH::TokTok_K{}));
-            Tensor rB = thrL.partition_fragment_B(tH(sm, Cfg::kD, typename LH::TokTok_K{}));
+            Tensor rA = thrL.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + kX)), typename LH::TokTok_K{}));
+            Tensor rB = thrL.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_K{}));
             gemm_sync(mmaL, rA, rB, accX, GMMA::ScaleOut::Zero);
             const GateFactors gf(gt, cX, len);
             CUTE_UNROLL
@@ -952,8 +946,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // K K^T (raw): dbeta's third row dot <(dM K)_i, K_i> = sum_j dM_ij (K K^T)_ij, and R's
           // second part dL o L = beta_i dM_ij (K K^T)_ij (B30) for dg.
           {
-            Tensor rA = thrX.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
-            Tensor rB = thrX.partition_fragment_B(tT(stb, Cfg::kK, typename LT::TokD_K{}));
+            Tensor rA = thrX.partition_fragment_A(tKs);
+            Tensor rB = thrX.partition_fragment_B(tKs);
             gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
           }
           float m = 0.f;
@@ -1044,8 +1038,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // (u1 = ew + ap + ub), 2^-ea dA''^T Q (A's dA'' in Pg''s tile), 2^-em (dMb'' K + dMb''^T K).
         Tensor accDK = partition_fragment_C(mmaW, Shape<_64, _128>{});
         {
-          Tensor rU = thrW.partition_fragment_A(tH(sm, Cfg::kU, typename LH::TokD_K{}));
-          Tensor rDSt = thrW.partition_fragment_B(tH(sm, Cfg::kDSn, QK_MN{}));
+          Tensor rU = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::TokD_K{}));
+          Tensor rDSt = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_MN{}));
           gemm_sync(mmaW, rU, rDSt, accDK, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(dsn_free);
@@ -1073,8 +1067,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
         }
         {
-          Tensor rTb = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
-          gemm_sync(mmaV, rTb, thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{})), accDK, GMMA::ScaleOut::One);
+          Tensor rTb = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
+          gemm_sync(mmaV, rTb, rW3, accDK, GMMA::ScaleOut::One);
         }
         QLA_PHASE(13);
         mbar_wait(da_ready, gi & 1);
@@ -1083,8 +1077,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           const float f = -pow2c(ea - u1);
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          Tensor rQt = thrG.partition_fragment_B(tT(stb, Cfg::kQ, typename LT::DTok_MN{}));
-          gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rQt, accDK, GMMA::ScaleOut::One);
+          Tensor rQt = thrG.partition_fragment_B(stageT(stb, Cfg::kQ, typename LT::DTok_MN{}));
+          gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
         }
         {
           if constexpr (kTileUnits<T>) {
@@ -1093,9 +1087,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
           }
           Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
-          Tensor rA2 = thrG.partition_fragment_A(tT(sm, kMb, typename LT::TokTok_MN{}));
-          Tensor rB = thrTW.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
-          Tensor rB2 = thrG.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
+          Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          Tensor rB2 = thrG.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
           gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
           gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         }
