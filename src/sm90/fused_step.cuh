@@ -3,8 +3,9 @@
 // runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
 // shared memory once (single-stage tiles between the roles and, with dq, one input stage).
 // Built in steps; this one: the chain, dv, dq, and with RecParams::dk set every other gradient
-// (dk, dbeta, and dg with RecParams::dg). Test builds only: 3.5-4x slower with dk than without
-// (docs/backward.md "The reverse step with every gradient"), so the library does not take it yet.
+// (dk, dbeta, and dg with RecParams::dg). Test builds only: with dk still slower than the
+// library's three kernels (docs/backward.md "The reverse step with every gradient", "The step's
+// spills"), so the library does not take it yet.
 //
 // Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
 // leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
