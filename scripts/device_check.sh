@@ -3,7 +3,7 @@
 # benchmarks, and leave the results in $OUT. Usage (from the repo root, on the device):
 #   bash scripts/device_check.sh [fi-bg] [tests] [bwd] [memcheck] [bench] [profile] [grid] [grid-par]
 #                                [grid-bwd] [grid-bwd-par] [grid-step] [grid-iso] [ab] [fi-wait] [wheel] [cold-peers]
-#                                [warm-peers] [split-check] [scan-ab] [stalls]
+#                                [warm-peers] [split-check] [scan-ab] [stalls] [step-prof]
 #                                [pytest-gdb]
 #   (default: tests memcheck bench grid)
 # wheel: a QLA wheel built on the development machine (dist/qla-*-cp312-*.whl, carry "dist")
@@ -311,6 +311,33 @@ if want scan-ab; then
     echo "== new: split-bench"
     env X=1 ${SCAN_NEW_ENV:-} timeout 200 .ab/fwd_new --split --bench 2>&1 | grep "^bench-split"
   } 2>&1 | tee "$LOGS/scan_ab.log"
+fi
+snap
+
+if want step-prof; then
+  # The fused reverse step (issue 14, test builds): `--step` on the first binary of STEP_BINS
+  # (default .ab/step; build each with -DQLA_SM90_TEST_HOOKS -lineinfo here and carry them), the
+  # step's `--reverse-bench` alternated twice over STEP_BINS, then ncu of the first at 16/32 8192x4
+  # (bench row 1, the step with every gradient): warp states and the per-instruction stall table
+  # ($OUT/step_sass.csv.xz; read it with the SASS of `nvdisasm -gi -c` of the same binary's cubin).
+  bins=(${STEP_BINS:-.ab/step})
+  {
+    echo "== ${bins[0]} --step"
+    timeout 150 "${bins[0]}" --step 2>&1 | tail -20
+    for round in 1 2; do
+      for b in "${bins[@]}"; do
+        echo "== $b --reverse-bench (round $round)"
+        timeout 120 "$b" --reverse-bench 2>&1 | grep bench-reverse
+      done
+    done
+    rm -f /tmp/qla_step.ncu-rep
+    timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      --import-source no -k regex:gdn_bwd_fused_step --launch-count 1 -o /tmp/qla_step "${bins[0]}" --reverse-profile 1 \
+      > "$LOGS/step_ncu_run.txt" 2>&1
+    ncu --import /tmp/qla_step.ncu-rep --print-details all > "$LOGS/step_ncu.txt" 2>&1
+    grep -E "Issued Warp|Eligible Warps|Warp Cycles Per Issued|cycles being stalled|represents about" "$LOGS/step_ncu.txt" | head -12
+    ncu --import /tmp/qla_step.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -9 > "$OUT/step_sass.csv.xz"
+  } 2>&1 | tee "$LOGS/step_prof.log"
 fi
 snap
 
