@@ -243,6 +243,13 @@ __device__ __forceinline__ float2 row_dot(const Acc& acc, uint32_t tile, int wt)
   }
   return make_float2(s[0], s[1]);
 }
+// A gradient's (tok, 128) TokD_K tile in shared memory out through its tensor map's two 64-column
+// boxes at (value head hv, token t0, sequence b); one thread issues, one bulk group committed.
+__device__ __forceinline__ void store_tile_boxes(const CUtensorMap* map, const uint8_t* tile, int hv, int t0, int b) {
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) tma_store_4d(map, tile + h * (kQKBytes / 2), h * 64, hv, t0, b);
+  bulk_commit();
+}
 // Row sums (rows r0, r0 + 8 of the thread, summed over the quad) and the warp's column sums of
 // a 64 x 64 accumulator (lanes 0 .. 3 write them to colp[64 w + j], w the warp): both in fixed
 // orders (deterministic).
@@ -577,10 +584,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           fence_async_smem();
           wg_bar(kBarStepA);
           if (wt == 0) {
-            CUTE_UNROLL
-            for (int h = 0; h < 2; ++h)
-              tma_store_4d(&p.tmdq, sm + Cfg::kQg + h * (kQKBytes / 2), h * 64, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
-            bulk_commit();
+            store_tile_boxes(&p.tmdq, sm + Cfg::kQg, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
             bulk_wait_read();
           }
         } else {
@@ -805,11 +809,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         wg_bar(kBarStepK);
         if (wt == 0) {
-          const int t0 = static_cast<int>(tile.t0) + chunk_of(c) * kC;
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h)
-            tma_store_4d(&p.tmdv, sm + stg + h * (kQKBytes / 2), h * 64, tile.hv, t0, static_cast<int>(tile.b));
-          bulk_commit();
+          store_tile_boxes(&p.tmdv, sm + stg, tile.hv, static_cast<int>(tile.t0) + chunk_of(c) * kC, static_cast<int>(tile.b));
           if (!dkc) bulk_wait_read();  // (with dk: before dW''' is written there)
         }
       } else if (dv_out) {
@@ -1106,12 +1106,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accDK(e) * f; });
           fence_async_smem();
           wg_bar(kBarStepK);
-          if (wt == 0) {
-            CUTE_UNROLL
-            for (int h = 0; h < 2; ++h)
-              tma_store_4d(&p.tmdk, sm + Cfg::kDU + h * (kQKBytes / 2), h * 64, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
-            bulk_commit();
-          }
+          if (wt == 0) store_tile_boxes(&p.tmdk, sm + Cfg::kDU, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
         } else {
           const float f = pow2c(-em);
           T* base = static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2];
