@@ -20,7 +20,7 @@
 //   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
 //      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens);
 //      dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i and
-//      e^Gamma <dSn, S> (from dSn' and S').
+//      e^Gamma <dSn, S> (from dSn' and S'); with dk, after dq, K's X block (X, dL, dM, dMb'').
 //   K (WG2): Z and U''; dU' (fp16 tile) from the register operand Kd' and the two tiles; dv; with
 //      dk, after dv, the rest of the gradients (dk, dbeta, dg) in the tiles the chain has left.
 //   S (WG3): dS^T (128 x 128 fp32 accumulators, 128 registers a thread) across the chunks; Qg'
@@ -86,17 +86,22 @@ struct StepCfg {
   static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
   static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free, dsn_free, tm_full, da_ready
-  static constexpr int kBars = 2 * kStages + 14;
-  static constexpr size_t kSmem = 1024 + kBar + 128;  // (1 KiB of alignment slack first)
+  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready
+  static constexpr int kBars = 2 * kStages + 16;
+  static constexpr size_t kSmem = 1024 + kBar + 144;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kBars * 8 <= 128, "the mbarriers over their part");
+  static_assert(kBars * 8 <= 144, "the mbarriers over their part");
   static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
+enum : int { kMiscEvb = 6, kMiscEkb = 7, kMiscEm = 8 };  // dVb'''s and dKb'''s units (K, for A's X), dMb'''s (A, for K)
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
+// dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on): dg's a_i, x_i = <dK_d_i, K_i>,
+// R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b, K> rows (K).
+constexpr uint32_t kSdK = kQKBytes + kImgTokTok * 2;
+constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512;
 constexpr int kMiscSdot = 40;  // dg: A's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
@@ -200,6 +205,14 @@ __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, 
 __device__ __forceinline__ int fresh(int x) {
   asm volatile("" : "+r"(x));
   return x;
+}
+// The same for a shared-memory base: the wgmma descriptors of a tile at a fixed offset are formed
+// where a product issues instead of being held (spilled) across the tail.
+template <class P>
+__device__ __forceinline__ P* fresh(P* p) {
+  uint64_t x = reinterpret_cast<uint64_t>(p);
+  asm volatile("" : "+l"(x));
+  return reinterpret_cast<P*>(x);
 }
 
 // The thread's element pairs (e, e + 1), e even, of a 64 x 128 accumulator (rows r0 + 8 h,
@@ -317,6 +330,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* dsn_free = du_free + 1;       // A and K: their reads of dSn' done (S may write the next)
   uint64_t* tm_full = dsn_free + 1;       // P: the region's T' image in D''s tile (chunks with dk)
   uint64_t* da_ready = tm_full + 1;       // A: dA'' in Pg''s tile and its unit ea (chunks with gradients)
+  uint64_t* vkb_ready = da_ready + 1;     // K: dVb'' and dKb'' and their units, beta, K's dg rows (chunks with dk)
+  uint64_t* mb_ready = vkb_ready + 1;     // A: dMb'' and em, its dbeta and dg rows and columns (chunks with dk)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -338,6 +353,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(dsn_free, 2 * 128);
     mbar_init(tm_full, 1);
     mbar_init(da_ready, 128);
+    mbar_init(vkb_ready, 128);
+    mbar_init(mb_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -414,6 +431,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto mmaDP = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
     auto mmaQ = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
+    // With dk, K's X block (after dq): X (two products of 64 x 64), dL, K K^T again.
+    auto mmaX = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto mmaL = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+    auto thrX = mmaX.get_thread_slice(wt);
+    auto thrL = mmaL.get_thread_slice(wt);
+    Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
+    const float* sBeta = reinterpret_cast<const float*>(sm + Cfg::kBeta);  // (K writes it before vkb_ready)
+    auto stageT = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(base + off)), layout); };
+    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
     auto thrP = mmaP.get_thread_slice(wt);
     auto thrW = mmaW.get_thread_slice(wt);
     auto thrDP = mmaDP.get_thread_slice(wt);
@@ -623,6 +649,105 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           if (wt < kC) sdA[wt] = sdA[64 + wt] - (sdA[128 + wt] + sdA[192 + wt] + sdA[256 + wt] + sdA[320 + wt]);
         }
         mbar_arrive(da_ready);             // dA'' (and A's part of dg) for K
+        if (p.dk) {
+          // K's dk, its X block (docs/backward.md (B25)-(B30)), beside K's Tb'', dK_d and dK_b: X = dVb
+          // V^T + dKb K^T diag(e^gamma) from K's dVb'' (S''s tile) and dKb'' (dU''s); X''_ik = 2^ex X_ik
+          // beta_k 2^-ek_k (i, k < len, fp16) after dVb''; dL, dM; dMb'' over dVb'' once every X product
+          // has read it; dbeta's <dM K, K> rows and dg's R_L rows and columns into sdK; then K's dM products.
+          mbar_wait(vkb_ready, gi & 1);
+          mbar_wait(tm_full, gi & 1);  // T' in D''s tile
+          const uint32_t kX = Cfg::kS + kQKBytes, kMb = Cfg::kS;
+          float* sdK = reinterpret_cast<float*>(sm + Cfg::kS + kSdK);
+          const int evb = misc[kMiscEvb], ekb = misc[kMiscEkb];
+          const float* eg = gt.eg();
+          const int8_t* kexp = gt.kexp();
+          const int r0 = get<0>(cX(0));
+          int em;
+          {
+            Tensor accX = partition_fragment_C(mmaX, Shape<_64, _64>{});
+            Tensor accX2 = partition_fragment_C(mmaX, Shape<_64, _64>{});
+            {
+              Tensor rA = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), typename LT::TokD_K{}));
+              Tensor rB = thrX.partition_fragment_B(stageT(stb, Cfg::kV, typename LT::TokD_K{}));
+              Tensor rA2 = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kDU)), typename LT::TokD_K{}));
+              Tensor rB2 = thrX.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::TokD_K{}));
+              gemm_pair_sync(mmaX, rA, rB, accX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
+            }
+            {
+              const float fv = pow2c(-evb), fk = pow2c(-ekb);
+              float m = 0.f;
+              CUTE_UNROLL
+              for (int e = 0; e < size(accX); ++e) {
+                const int i = get<0>(cX(e)), k = get<1>(cX(e));
+                const float x = accX(e) * fv + accX2(e) * (fk * eg[k]);
+                accX(e) = i < len && k < len ? x * sBeta[k] * pow2c(-kexp[k]) : 0.f;
+                m = fmaxf(m, fabsf(accX(e)));
+              }
+              const int ex = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+              const float fx = pow2c(ex);
+              Tensor tX = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kX)), typename LH::TokTok_K{});
+              stmatrix_rows<64, H>(tX, fresh(wt), [&](int e) { return accX(e) * fx; });
+              fence_async_smem();
+              wg_bar(kBarStepA);  // X'' written
+              // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
+              Tensor rA = thrL.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + kX)), typename LH::TokTok_K{}));
+              Tensor rB = thrL.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_K{}));
+              gemm_sync(mmaL, rA, rB, accX, GMMA::ScaleOut::Zero);
+              const GateFactors gf(gt, cX, len);
+              CUTE_UNROLL
+              for (int e = 0; e < size(accX); ++e) accX(e) = get<1>(cX(e)) < get<0>(cX(e)) ? -gf.scaled(e, -ex, 1.f, accX(e)) : 0.f;
+            }
+            // K K^T (raw): dbeta's third row dot <(dM K)_i, K_i> = sum_j dM_ij (K K^T)_ij, and R's
+            // second part dL o L = beta_i dM_ij (K K^T)_ij (B30) for dg.
+            {
+              Tensor rA = thrX.partition_fragment_A(stageT(stb, Cfg::kK, typename LT::TokD_K{}));
+              Tensor rB = thrX.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::TokD_K{}));
+              gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
+            }
+            float m = 0.f;
+            CUTE_UNROLL
+            for (int e = 0; e < size(accX); ++e) {
+              const int i = get<0>(cX(e));
+              const float bi = i < len ? sBeta[i] : 0.f;
+              accX2(e) *= accX(e);  // (dM is 0 where j >= i or i >= len)
+              m = fmaxf(m, fabsf(accX(e) * bi));
+              accX(e) *= bi;  // dMb = diag(beta) dM
+            }
+            {
+              float rr[2] = {0.f, 0.f};
+              CUTE_UNROLL
+              for (int e = 0; e < size(accX2); ++e) rr[(e >> 1) & 1] += accX2(e);
+              CUTE_UNROLL
+              for (int o = 1; o < 4; o <<= 1) {
+                rr[0] += __shfl_xor_sync(0xffffffffu, rr[0], o);
+                rr[1] += __shfl_xor_sync(0xffffffffu, rr[1], o);
+              }
+              if ((wt & 3) == 0) {
+                sdK[kSdRr + r0] = rr[0];
+                sdK[kSdRr + r0 + 8] = rr[1];
+              }
+            }
+            if (p.dg) {  // R_L = beta_i dM_ij (K K^T)_ij: its row and column sums into sdK
+              CUTE_UNROLL
+              for (int e = 0; e < size(accX2); ++e) {
+                const int i = get<0>(cX(e));
+                accX2(e) *= i < len ? sBeta[i] : 0.f;
+              }
+              const float2 rs = rows_and_cols(accX2, sdK + kSdCols, wt);
+              if ((wt & 3) == 0) {
+                sdK[kSdRows + r0] = rs.x;
+                sdK[kSdRows + r0 + 8] = rs.y;
+              }
+            }
+            em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
+            const float fm = pow2c(em);
+            Tensor tMb = tileTT(kMb);
+            stmatrix_rows<64, T>(tMb, fresh(wt), [&](int e) { return accX(e) * fm; });
+          }
+          if (wt == 0) misc[kMiscEm] = em;
+          fence_async_smem();
+          mbar_arrive(mb_ready);
+        }
         mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
       } else {
         mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
@@ -653,9 +778,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto thrV = mmaV.get_thread_slice(wt);
     Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
     Tensor tDV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kDU)), typename LT::TokD_K{});  // then dv's
-    Tensor rDSn = thrD.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_K{}));
-    Tensor rPgT = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kPg)), typename LT::TokTok_MN{}));
-    Tensor rDUv = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{}));
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
     // dk and dbeta of a chunk with dk (after dv; the header's equations): every product but the
@@ -673,9 +795,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto mmaRS = make_tiled_mma(GMMA::rs_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto thrRS = mmaRS.get_thread_slice(wt);
     Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
-    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokD_K{}); };
-    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
-    auto stageT = [&](uint8_t* stb, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + off)), layout); };
+    // K's tiles (byte offset off from the CTA's or the stage's base), each from a fresh base (see
+    // fresh): addresses and descriptors formed at their use.
+    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokD_K{}); };
+    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokTok_K{}); };
+    auto tT = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(fresh(base) + off)), layout); };
+    auto tH = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const H*>(fresh(base) + off)), layout); };
     QLA_PHASES_SMEM(16, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 336));  // (to + 464, S's from + 464)
     for (int c = 0; c < nch; ++c) {
       uint8_t* stb = stage(c);
@@ -694,8 +819,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_wait(s_full, gi & 1);
         Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
         {
-          Tensor rK = thrY.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
-          Tensor rS = thrY.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_K{}));
+          Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
+          Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
           gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
         }
         if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
@@ -721,8 +846,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
         {
-          Tensor rTu = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_K{}));
-          Tensor rZ = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::DTok_MN{}));
+          Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
+          Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
           gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
         }
         const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
@@ -758,8 +883,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int ep = misc[kMiscEp];
       QLA_PHASE(3);
       {
-        Tensor rO = thrG.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kO)), typename LT::DTok_MN{}));
-        gemm_sync(mmaG, rPgT, rO, accK, GMMA::ScaleOut::Zero);
+        Tensor rO = thrG.partition_fragment_B(tT(stb, Cfg::kO, typename LT::DTok_MN{}));
+        gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rO, accK, GMMA::ScaleOut::Zero);
       }
       QLA_PHASE(4);
       mbar_wait(dsn_ready, c & 1);
@@ -771,7 +896,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         for (int e = 0; e < size(accK); ++e) accK(e) *= f;
       }
       warpgroup_fence_operand(rKd);
-      gemm_sync(mmaD, rKd, rDSn, accK, GMMA::ScaleOut::One);
+      gemm_sync(mmaD, rKd, thrD.partition_fragment_B(tH(sm, Cfg::kDSn, QK_K{})), accK, GMMA::ScaleOut::One);
       QLA_PHASE(6);
       // dU' = 2^eu accK in fp16; the previous dU' was read by S before dSn' of this chunk was ready,
       // and the last chunk's dk store reads that tile before eu's barrier.
@@ -791,8 +916,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
       Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
       {
-        Tensor rTuT = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
-        gemm_sync(mmaV, rTuT, rDUv, accV, GMMA::ScaleOut::Zero);
+        Tensor rTuT = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
+        gemm_sync(mmaV, rTuT, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), accV, GMMA::ScaleOut::Zero);
       }
       const float dvsc = pow2c(-(gt.et() + en + eu));
       if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
@@ -828,8 +953,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
-        Tensor tKs = stageT(stb, Cfg::kK, typename LT::TokD_K{});
-        Tensor tVs = stageT(stb, Cfg::kV, typename LT::TokD_K{});
         if (wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;  // (read after the next barriers)
         // dW'' = dU' S'^T in the input type: dU' converted into a register operand (its fp16 tile
         // stays for dVb), once A's dO S^T has read S' and A's dP U'' (d_free).
@@ -845,7 +968,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             rDUt(e) = T(u2.x);
             rDUt(e + 1) = T(u2.y);
           }
-          Tensor rB = thrRS.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), QK_MN{}));
+          Tensor rB = thrRS.partition_fragment_B(tT(sm, Cfg::kS, QK_MN{}));
           warpgroup_fence_operand(rDUt);
           gemm_sync(mmaRS, rDUt, rB, acc, GMMA::ScaleOut::Zero);
         }
@@ -863,9 +986,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
         // warp's dW has read it: the barrier above).
         mbar_wait(tm_full, gi & 1);
-        Tensor rTt = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_MN{}));
-        Tensor rW3 = thrV.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
-        gemm_sync(mmaV, rTt, rDUv, acc, GMMA::ScaleOut::Zero);
+        Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
+        Tensor rW3 = thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{}));
+        gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), acc, GMMA::ScaleOut::Zero);
         float fr[2];
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
@@ -902,93 +1025,21 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           Tensor t = tile16(Cfg::kDU);
           stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fk; });
         }
-        fence_async_smem();
-        wg_bar(kBarStepK);  // dVb'' and dKb'' written
-        QLA_PHASE(10);
-        // X = dVb V^T + dKb K^T diag(e^gamma); X''_ik = 2^ex X_ik beta_k 2^-ek_k (i, k < len), fp16,
-        // after dVb'' in S''s tile; dMb'' over dVb'' once every X product has read it.
-        const uint32_t kX = Cfg::kS + kQKBytes, kMb = Cfg::kS;
-        float* sdK = reinterpret_cast<float*>(sm + Cfg::kS + kQKBytes + kImgTokTok * 2);  // dg: [a 64 | x 64 | rows 64 | cols 4 x 64]
-        int em;
-        {
-          Tensor accX = partition_fragment_C(mmaX, Shape<_64, _64>{});
-          Tensor accX2 = partition_fragment_C(mmaX, Shape<_64, _64>{});
-          {
-            Tensor rA = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kS)), typename LT::TokD_K{}));
-            Tensor rB = thrX.partition_fragment_B(tVs);
-            Tensor rA2 = thrX.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + Cfg::kDU)), typename LT::TokD_K{}));
-            Tensor rB2 = thrX.partition_fragment_B(tKs);
-            gemm_pair_sync(mmaX, rA, rB, accX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
-          }
-          {
-            const float fv = pow2c(-evb), fk = pow2c(-ekb);
-            float m = 0.f;
-            CUTE_UNROLL
-            for (int e = 0; e < size(accX); ++e) {
-              const int i = get<0>(cX(e)), k = get<1>(cX(e));
-              const float x = accX(e) * fv + accX2(e) * (fk * eg[k]);
-              accX(e) = i < len && k < len ? x * sBeta[k] * pow2c(-kexp[k]) : 0.f;
-              m = fmaxf(m, fabsf(accX(e)));
-            }
-            const int ex = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
-            const float fx = pow2c(ex);
-            Tensor tX = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kX)), typename LH::TokTok_K{});
-            stmatrix_rows<64, H>(tX, fresh(wt), [&](int e) { return accX(e) * fx; });
-            fence_async_smem();
-            wg_bar(kBarStepK);  // X'' written
-            // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
-            Tensor rA = thrL.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + kX)), typename LH::TokTok_K{}));
-            Tensor rB = thrL.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_K{}));
-            gemm_sync(mmaL, rA, rB, accX, GMMA::ScaleOut::Zero);
-            const GateFactors gf(gt, cX, len);
-            CUTE_UNROLL
-            for (int e = 0; e < size(accX); ++e) accX(e) = get<1>(cX(e)) < get<0>(cX(e)) ? -gf.scaled(e, -ex, 1.f, accX(e)) : 0.f;
-          }
-          // K K^T (raw): dbeta's third row dot <(dM K)_i, K_i> = sum_j dM_ij (K K^T)_ij, and R's
-          // second part dL o L = beta_i dM_ij (K K^T)_ij (B30) for dg.
-          {
-            Tensor rA = thrX.partition_fragment_A(tKs);
-            Tensor rB = thrX.partition_fragment_B(tKs);
-            gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
-          }
-          float m = 0.f;
-          CUTE_UNROLL
-          for (int e = 0; e < size(accX); ++e) {
-            const int i = get<0>(cX(e));
-            const float bi = i < len ? sBeta[i] : 0.f;
-            accX2(e) *= accX(e);  // (dM is 0 where j >= i or i >= len)
-            m = fmaxf(m, fabsf(accX(e) * bi));
-            accX(e) *= bi;  // dMb = diag(beta) dM
-          }
-          {
-            float rr[2] = {0.f, 0.f};
-            CUTE_UNROLL
-            for (int e = 0; e < size(accX2); ++e) rr[(e >> 1) & 1] += accX2(e);
-            CUTE_UNROLL
-            for (int o = 1; o < 4; o <<= 1) {
-              rr[0] += __shfl_xor_sync(0xffffffffu, rr[0], o);
-              rr[1] += __shfl_xor_sync(0xffffffffu, rr[1], o);
-            }
-            db.x += rr[0];
-            db.y += rr[1];
-          }
-          if (p.dg) {  // R_L = beta_i dM_ij (K K^T)_ij: its row and column sums, with <dK_b, K>, into sdK
-            CUTE_UNROLL
-            for (int e = 0; e < size(accX2); ++e) {
-              const int i = get<0>(cX(e));
-              accX2(e) *= i < len ? sBeta[i] : 0.f;
-            }
-            const float2 rs = rows_and_cols(accX2, sdK + 192, wt);
-            if ((wt & 3) == 0) {
-              sdK[128 + r0] = rs.x + kb.x;
-              sdK[128 + r0 + 8] = rs.y + kb.y;
-            }
-          }
-          em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
-          const float fm = pow2c(em);
-          Tensor tMb = tileTT(kMb);
-          stmatrix_rows<64, T>(tMb, fresh(wt), [&](int e) { return accX(e) * fm; });
+        // For A's X block (dL, dM and dMb''): dVb'' and dKb'', their units, beta (sBeta), and with dg
+        // K's <dK_b, K> rows in sdK (kSdK's layout).
+        const uint32_t kMb = Cfg::kS;  // A's dMb'' (over dVb'')
+        float* sdK = reinterpret_cast<float*>(sm + Cfg::kS + kSdK);
+        if (p.dg && (wt & 3) == 0) {
+          sdK[kSdKb + r0] = kb.x;
+          sdK[kSdKb + r0 + 8] = kb.y;
         }
+        if (wt == 0) {
+          misc[kMiscEvb] = evb;
+          misc[kMiscEkb] = ekb;
+        }
+        fence_async_smem();
+        mbar_arrive(vkb_ready);
+        QLA_PHASE(10);
         QLA_PHASE(11);
         // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
         // (Tu''s last reader, K's dv, is done), so that dK_b = -2^-(ew + ap + ub) Tb''^T dW'''
@@ -1039,8 +1090,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // (u1 = ew + ap + ub), 2^-ea dA''^T Q (A's dA'' in Pg''s tile), 2^-em (dMb'' K + dMb''^T K).
         Tensor accDK = partition_fragment_C(mmaW, Shape<_64, _128>{});
         {
-          Tensor rU = thrW.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kU)), typename LH::TokD_K{}));
-          Tensor rDSt = thrW.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDSn)), QK_MN{}));
+          Tensor rU = thrW.partition_fragment_A(tH(sm, Cfg::kU, typename LH::TokD_K{}));
+          Tensor rDSt = thrW.partition_fragment_B(tH(sm, Cfg::kDSn, QK_MN{}));
           gemm_sync(mmaW, rU, rDSt, accDK, GMMA::ScaleOut::Zero);
         }
         mbar_arrive(dsn_free);
@@ -1057,8 +1108,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         if (p.dg) {
           const float2 x = row_dot<T>(accDK, smem_u32(stb + Cfg::kK), wt);
           if ((wt & 3) == 0) {
-            sdK[64 + r0] = r0 < len ? x.x : 0.f;
-            sdK[64 + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
+            sdK[kSdX + r0] = r0 < len ? x.x : 0.f;
+            sdK[kSdX + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
           }
         }
         const int u1 = ew + ap + ub;
@@ -1068,8 +1119,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
         }
         {
-          Tensor rTb = thrV.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(stb + Cfg::kTu)), typename LH::TokTok_MN{}));
-          gemm_sync(mmaV, rTb, rW3, accDK, GMMA::ScaleOut::One);
+          Tensor rTb = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
+          gemm_sync(mmaV, rTb, thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{})), accDK, GMMA::ScaleOut::One);
         }
         QLA_PHASE(13);
         mbar_wait(da_ready, gi & 1);
@@ -1078,9 +1129,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           const float f = -pow2c(ea - u1);
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          Tensor rQt = thrG.partition_fragment_B(stageT(stb, Cfg::kQ, typename LT::DTok_MN{}));
-          gemm_sync(mmaG, rPgT, rQt, accDK, GMMA::ScaleOut::One);
+          Tensor rQt = thrG.partition_fragment_B(tT(stb, Cfg::kQ, typename LT::DTok_MN{}));
+          gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rQt, accDK, GMMA::ScaleOut::One);
         }
+        mbar_wait(mb_ready, gi & 1);  // A's dMb'' (over dVb''), em and its rows
+        const int em = misc[kMiscEm];
+        db.x += sdK[kSdRr + r0];  // A's <dM K, K> rows
+        db.y += sdK[kSdRr + r0 + 8];
         {
           if constexpr (kTileUnits<T>) {
             const float f = pow2c(em - ea);
@@ -1088,9 +1143,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
           }
           Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
-          Tensor rA2 = thrG.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(sm + kMb)), typename LT::TokTok_MN{}));
-          Tensor rB = thrTW.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
-          Tensor rB2 = thrG.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          Tensor rA2 = thrG.partition_fragment_A(tT(sm, kMb, typename LT::TokTok_MN{}));
+          Tensor rB = thrTW.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
+          Tensor rB2 = thrG.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
           gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
           gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         }
@@ -1126,13 +1181,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // dg (B33): a_i = A's part (D''s tile after T') + K's rows - K's column sums, x_i as above;
           // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (A's four warp partials).
           const float* sdA = reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2);
-          wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready)
+          wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready, mb_ready)
           if (wt < kC)
-            sdK[wt] = wt < len ? sdA[wt] + sdK[128 + wt] - (sdK[192 + wt] + sdK[256 + wt] + sdK[320 + wt] + sdK[384 + wt]) : 0.f;
+            sdK[wt] = wt < len ? sdA[wt] + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
+                                     (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
+                               : 0.f;
           wg_bar(kBarStepK);
           if (wt < len) {
             float g = fmisc[kMiscSdot] + fmisc[kMiscSdot + 1] + fmisc[kMiscSdot + 2] + fmisc[kMiscSdot + 3];
-            for (int i = 0; i < wt; ++i) g += sdK[64 + i];
+            for (int i = 0; i < wt; ++i) g += sdK[kSdX + i];
             for (int i = wt; i < len; ++i) g += sdK[i];
             store_f(p.dg, p.dg_dt, tile.b * p.sdg[0] + (t0 + wt) * p.sdg[1] + tile.hv, g);
           }
@@ -1142,7 +1199,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(15);
     }
-    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, X dL dM KK, Tb'', dK_d dK_b, dA^T Q dM K, out)", 16, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, -, Tb'', dK_d dK_b, wait dMb'' + dA^T Q dM K, out)", 16, nch);
     if (wt == 0 && (p.dv_tma || p.dk_tma)) bulk_wait_all();  // dv's and dk's bulk stores performed before the CTA ends
     return;
   }
