@@ -383,11 +383,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const size_t region = static_cast<size_t>(tile.ci0 + cc) * p.HV + tile.hv;
       const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + region * kInvRegionBytes;
       uint8_t* dst = stage(c);
-      if (step_grads(c)) {  // the S' image first: A releases it before the stage
+      // The S' image and the stage, in the order their tiles are released: without dk A releases
+      // S''s tile before the stage; with dk K's tail holds it (dMb'', X'', dg's sums) past the stage.
+      const bool simg = step_grads(c), simg_first = !(c > 0 && step_dk(c - 1));
+      auto load_simg = [&] {
         mbar_wait(s_empty, ((c - role.nwarm) & 1) ^ 1);
         mbar_expect_tx(s_full, kSImgBytes);
         bulk_g2s(sm + Cfg::kS, static_cast<const uint8_t*>(p.grad_simg) + region * kSImgBytes, kSImgBytes, s_full);
-      }
+      };
+      if (simg && simg_first) load_simg();
       mbar_wait(&empty[st], sparity(c) ^ 1);
       mbar_expect_tx(&full[st], Cfg::kTx);
       CUTE_UNROLL
@@ -399,6 +403,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       bulk_g2s(dst + Cfg::kTu, reg + kInvImg, kImgTokTok * 2, &full[st]);
       bulk_g2s(dst + Cfg::kGates, reg + kInvGam, kInvGateCopy, &full[st]);
+      if (simg && !simg_first) load_simg();
       if (c + 1 < nch) {  // the next chunk's inputs into L2 while this one runs (its loads wait for the stage)
         const int tn = tok - kC;
         const uint8_t* rn = reg - static_cast<size_t>(p.HV) * kInvRegionBytes;
@@ -704,6 +709,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               Tensor rB = thrX.partition_fragment_B(stageT(stb, Cfg::kK, typename LT::TokD_K{}));
               gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
             }
+            mbar_arrive(&empty[c % kStages]);  // A's last read of the stage (P loads the next chunk under the rest)
             float m = 0.f;
             CUTE_UNROLL
             for (int e = 0; e < size(accX); ++e) {
@@ -747,8 +753,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           if (wt == 0) misc[kMiscEm] = em;
           fence_async_smem();
           mbar_arrive(mb_ready);
+        } else {
+          mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
         }
-        mbar_arrive(&empty[c % kStages]);  // A's reads of the stage are done
       } else {
         mbar_wait(d_ready, c & 1);  // (the hand-over of D' still runs: its phases count chunks)
         mbar_arrive(d_free);
@@ -1149,6 +1156,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
           gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         }
+        // A's part of dg lies in D''s tile, which S fills with the next chunk's D' once the stage is in:
+        // read it before the stage goes.
+        const float dg_a = p.dg && wt < kC ? reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2)[wt] : 0.f;
+        mbar_arrive(&empty[c % kStages]);  // K's last read of the stage: P loads the next chunk under dk's stores and dg
         QLA_PHASE(14);
         // dk (per value head; rows < len) and dbeta out: a full chunk's dk into dU''s tile (its
         // last reader, the X product, is done), then two bulk tensor stores, whose reads end before
@@ -1178,12 +1189,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           if (r0 + 8 < len) store_f(p.dbeta, p.db_dt, bo + (t0 + r0 + 8) * p.sdb[1], db.y);
         }
         if (p.dg) {
-          // dg (B33): a_i = A's part (D''s tile after T') + K's rows - K's column sums, x_i as above;
+          // dg (B33): a_i = A's part (dg_a, read before the stage's release) + K's rows - K's column sums, x_i as above;
           // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (A's four warp partials).
-          const float* sdA = reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2);
           wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready, mb_ready)
           if (wt < kC)
-            sdK[wt] = wt < len ? sdA[wt] + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
+            sdK[wt] = wt < len ? dg_a + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
                                      (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
                                : 0.f;
           wg_bar(kBarStepK);
@@ -1194,8 +1204,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             store_f(p.dg, p.dg_dt, tile.b * p.sdg[0] + (t0 + wt) * p.sdg[1] + tile.hv, g);
           }
         }
-        mbar_arrive(s_empty);             // K's reads of S''s tile are done
-        mbar_arrive(&empty[c % kStages]);  // and of the stage
+        mbar_arrive(s_empty);  // K's reads of S''s tile (dMb'', X'', dg's sums) are done
       }
       QLA_PHASE(15);
     }
