@@ -86,18 +86,17 @@ struct StepCfg {
   static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
   static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tu_free, tb_ready
-  static constexpr int kBars = 2 * kStages + 18;
-  static constexpr size_t kSmem = 1024 + kBar + 160;  // (1 KiB of alignment slack first)
+  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready
+  static constexpr int kBars = 2 * kStages + 16;
+  static constexpr size_t kSmem = 1024 + kBar + 144;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kBars * 8 <= 160, "the mbarriers over their part");
+  static_assert(kBars * 8 <= 144, "the mbarriers over their part");
   static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 enum : int { kMiscEvb = 6, kMiscEkb = 7, kMiscEm = 8 };  // dVb'''s and dKb'''s units (K, for A's X), dMb'''s (A, for K)
-enum : int { kMiscUb = 9 };  // Tb'''s unit (S, for K)
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 // dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on): dg's a_i, x_i = <dK_d_i, K_i>,
 // R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b, K> rows (K).
@@ -152,50 +151,6 @@ struct StepGates {
   __device__ __forceinline__ const int8_t* kexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvKexp - kInvGam); }
   __device__ __forceinline__ const int8_t* qexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvQexp - kInvGam); }
 };
-
-// Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16 H) from T' (D''s tile after its
-// load) into the stage's Tu' slot (Tu''s last reader, K's dv, is done), so that K's dK_b =
-// -2^-(ew + ap + ub) Tb''^T dW''' accumulates with dk's other terms; returns ub. One warpgroup; a
-// thread's four 16-byte runs (rows wt / 8 + 16 r) hold the same eight columns (the swizzle moves
-// a run by the row's low bits, equal for all four). Its unit's reduction: red and barrier bar.
-template <class H>
-__device__ __forceinline__ int store_tb(const uint8_t* t_img, uint8_t* tb, const StepGates& gt, const float* beta, int len,
-                                        int wt, float* red, int bar, int flip) {
-  const uint32_t src = smem_u32(t_img), dst = smem_u32(tb);
-  const int col0 = 8 * ((wt & 7) ^ ((wt >> 3) & 7));
-  float cf[8];
-  CUTE_UNROLL
-  for (int q = 0; q < 8; ++q) {
-    const int i = col0 + q;
-    cf[q] = i < len ? beta[i] * gt.eg()[i] * pow2c(-gt.kexp()[i]) : 0.f;
-  }
-  float m = 0.f;
-  CUTE_UNROLL
-  for (int r = 0; r < 4; ++r) {
-    const uint4 u = lds_u128(src + 16u * (wt + 128 * r));
-    const uint32_t* pu = &u.x;
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = unpack2<H>(pu[q]);
-      m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
-    }
-  }
-  const int ub = step_unit(wg_max(m, red, wt, bar, flip));
-  const float fu = pow2c(ub);
-  CUTE_UNROLL
-  for (int r = 0; r < 4; ++r) {  // (the runs read again: the caller's accumulators leave few registers)
-    uint4 u = lds_u128(src + 16u * (wt + 128 * r));
-    uint32_t* pu = &u.x;
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = unpack2<H>(pu[q]);
-      const float c0 = cf[2 * q] * fu, c1 = cf[2 * q + 1] * fu;
-      pu[q] = pack2<H>(c0 != 0.f ? f.x * c0 : 0.f, c1 != 0.f ? f.y * c1 : 0.f);
-    }
-    sts128(dst + 16u * (wt + 128 * r), u);
-  }
-  return ub;
-}
 
 // A thread's gate factors for the gated causal 64 x 64 tiles (Pg'', dA) in the accumulator's
 // element order (rows r0, r0 + 8; columns 8 b + 2 (lane % 4) + {0, 1}): read from the stage once
@@ -377,8 +332,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* da_ready = tm_full + 1;       // A: dA'' in Pg''s tile and its unit ea (chunks with gradients)
   uint64_t* vkb_ready = da_ready + 1;     // K: dVb'' and dKb'' and their units, beta, K's dg rows (chunks with dk)
   uint64_t* mb_ready = vkb_ready + 1;     // A: dMb'' and em, its dbeta and dg rows and columns (chunks with dk)
-  uint64_t* tu_free = mb_ready + 1;       // K: its dv product has read Tu' and beta is in sBeta (chunks with dk)
-  uint64_t* tb_ready = tu_free + 1;       // S: Tb'' in Tu''s slot and ub (chunks with dk)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -402,8 +355,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(da_ready, 128);
     mbar_init(vkb_ready, 128);
     mbar_init(mb_ready, 128);
-    mbar_init(tu_free, 128);
-    mbar_init(tb_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -1010,7 +961,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
         if (wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;  // (read after the next barriers)
-        mbar_arrive(tu_free);  // (S forms Tb'' over Tu' meanwhile)
         // dW'' = dU' S'^T in the input type: dU' converted into a register operand (its fp16 tile
         // stays for dVb), once A's dO S^T has read S' and A's dP U'' (d_free).
         mbar_wait(d_free, c & 1);
@@ -1098,6 +1048,48 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_arrive(vkb_ready);
         QLA_PHASE(10);
         QLA_PHASE(11);
+        // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
+        // (Tu''s last reader, K's dv, is done), so that dK_b = -2^-(ew + ap + ub) Tb''^T dW'''
+        // accumulates with dk's other terms. A thread's four 16-byte runs (rows wt / 8 + 16 r) hold
+        // the same eight columns (the swizzle moves a run by the row's low bits, equal for all four).
+        int ub;
+        {
+          const uint32_t src = smem_u32(sm + Cfg::kD), dst = smem_u32(stb + Cfg::kTu);
+          const int col0 = 8 * ((wt & 7) ^ ((wt >> 3) & 7));
+          float cf[8];
+          CUTE_UNROLL
+          for (int q = 0; q < 8; ++q) {
+            const int i = col0 + q;
+            cf[q] = i < len ? sBeta[i] * eg[i] * pow2c(-kexp[i]) : 0.f;
+          }
+          uint4 u[4];
+          float m = 0.f;
+          CUTE_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            u[r] = lds_u128(src + 16u * (wt + 128 * r));
+            const uint32_t* pu = &u[r].x;
+            CUTE_UNROLL
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = unpack2<H>(pu[q]);
+              m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
+            }
+          }
+          ub = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+          const float fu = pow2c(ub);
+          CUTE_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            uint32_t* pu = &u[r].x;
+            CUTE_UNROLL
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = unpack2<H>(pu[q]);
+              const float c0 = cf[2 * q] * fu, c1 = cf[2 * q + 1] * fu;
+              pu[q] = pack2<H>(c0 != 0.f ? f.x * c0 : 0.f, c1 != 0.f ? f.y * c1 : 0.f);
+            }
+            sts128(dst + 16u * (wt + 128 * r), u[r]);
+          }
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // dMb'' and Tb'' written (and, with dg, the row and column partials of R_L)
         QLA_PHASE(12);
         // dk in one accumulator, changing units by powers of two between the terms:
         // dK_d = diag(e^(Gamma - gamma) 2^ek) 2^-(eut + en) U'' dSn'^T first (then dSn' is free
@@ -1127,8 +1119,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             sdK[kSdX + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
           }
         }
-        mbar_wait(tb_ready, gi & 1);  // S's Tb'' and ub
-        const int u1 = ew + ap + misc[kMiscUb];
+        const int u1 = ew + ap + ub;
         {
           const float f = -pow2c(u1);
           CUTE_UNROLL
@@ -1217,7 +1208,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(15);
     }
-    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, -, -, dK_d + wait Tb'' + dK_b, wait dMb'' + dA^T Q dM K, out)", 16, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, -, Tb'', dK_d dK_b, wait dMb'' + dA^T Q dM K, out)", 16, nch);
     if (wt == 0 && (p.dv_tma || p.dk_tma)) bulk_wait_all();  // dv's and dk's bulk stores performed before the CTA ends
     return;
   }
@@ -1335,23 +1326,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(du_free);
     a = au;
     QLA_PHASE(4);
-    if (step_dk(c)) {  // Tb'' for K's dK_b, in S's wait for K's dK_d (K's chain is the step's longest)
-      const int gi = c - role.nwarm;
-      mbar_wait(tu_free, gi & 1);
-      mbar_wait(tm_full, gi & 1);
-      const int ub = store_tb<H>(sm + Cfg::kD, stb + Cfg::kTu, gt, reinterpret_cast<const float*>(sm + Cfg::kBeta), len, wt,
-                                 fmisc + kMiscRedS, kBarStepS, flip++);
-      if (wt == 0) misc[kMiscUb] = ub;
-      fence_async_smem();
-      mbar_arrive(tb_ready);
-    }
     if (c + 1 < nch) {
       mbar_wait(dsn_free, c & 1);  // K's reads of this chunk's dSn' (Kd' dSn', dK_d) are done
       publish_dsn();
     }
     QLA_PHASE(5);
   }
-  QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', Tb'' + wait dsn_free + dSn' max + store)", 6, nch);
+  QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', dSn' max + store)", 6, nch);
   // d(initial state), or (pass 0) the gradient entering the piece into the slot before its own.
   {
     float* maps = role.end == kEndMaps ? map_at(p, tile.map - 1, tile.hv) : nullptr;
