@@ -98,11 +98,10 @@ struct StepCfg {
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 enum : int { kMiscEvb = 6, kMiscEkb = 7, kMiscEm = 8 };  // dVb'''s and dKb'''s units (K, for A's X), dMb'''s (A, for K)
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
-// dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on; its first 64 unused): x_i =
-// <dK_d_i, K_i>, R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b,
-// K> rows (K), dg's two warp totals (K).
+// dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on): dg's a_i, x_i = <dK_d_i, K_i>,
+// R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b, K> rows (K).
 constexpr uint32_t kSdK = kQKBytes + kImgTokTok * 2;
-constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512, kSdTot = 576;
+constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512;
 constexpr int kMiscSdot = 40;  // dg: A's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
@@ -1193,28 +1192,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // dg (B33): a_i = A's part (dg_a, read before the stage's release) + K's rows - K's column sums, x_i as above;
           // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (A's four warp partials).
           wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready, mb_ready)
-          // Token t = wt (warps 0 and 1): the sums over i < t of x and over i >= t of a by warp scans,
-          // the other warp's total through sdK's tail (x of warp 0 for warp 1, a of warp 1 for warp 0).
-          const int lane = wt & 31;
-          const float at = wt < len ? dg_a + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
-                                          (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
-                                    : 0.f;
-          const float xt = wt < kC ? sdK[kSdX + wt] : 0.f;
-          float ax = at, xx = xt;  // inclusive scans: a from the warp's last lane down, x from its first up
-          CUTE_UNROLL
-          for (int o = 1; o < 32; o <<= 1) {
-            const float a2 = __shfl_down_sync(0xffffffffu, ax, o), x2 = __shfl_up_sync(0xffffffffu, xx, o);
-            if (lane + o < 32) ax += a2;
-            if (lane >= o) xx += x2;
-          }
-          if (wt == 32) sdK[kSdTot] = ax;      // warp 1's a
-          if (wt == 31) sdK[kSdTot + 1] = xx;  // warp 0's x
-          float xe = __shfl_up_sync(0xffffffffu, xx, 1);  // the exclusive sum (no cancellation)
-          if (lane == 0) xe = 0.f;
+          if (wt < kC)
+            sdK[wt] = wt < len ? dg_a + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
+                                     (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
+                               : 0.f;
           wg_bar(kBarStepK);
           if (wt < len) {
             float g = fmisc[kMiscSdot] + fmisc[kMiscSdot + 1] + fmisc[kMiscSdot + 2] + fmisc[kMiscSdot + 3];
-            g += xe + ax + sdK[wt < 32 ? kSdTot : kSdTot + 1];
+            for (int i = 0; i < wt; ++i) g += sdK[kSdX + i];
+            for (int i = wt; i < len; ++i) g += sdK[i];
             store_f(p.dg, p.dg_dt, tile.b * p.sdg[0] + (t0 + wt) * p.sdg[1] + tile.hv, g);
           }
         }
