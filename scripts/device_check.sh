@@ -319,7 +319,7 @@ if want step-prof; then
   # (default .ab/step; build each with -DQLA_SM90_TEST_HOOKS -lineinfo here and carry them), the
   # step's `--reverse-bench` alternated twice over STEP_BINS, then ncu of the first at 16/32 8192x4
   # (bench row 1, the step with every gradient): warp states and the per-instruction stall table
-  # ($OUT/step_sass.csv.xz; read it with the SASS of `nvdisasm -gi -c` of the same binary's cubin).
+  # ($OUT/step_sass.csv.xz; by source line and role: scripts/sass_stalls.py with the same binary).
   bins=(${STEP_BINS:-.ab/step})
   {
     echo "== ${bins[0]} --step"
