@@ -37,7 +37,7 @@ def tool(name: str) -> str:
 
 
 def disassembly(binary: str, kernel: str) -> list:
-    """[(source line or None, opcode)] of the first kernel whose name matches."""
+    """The text lines of `nvdisasm -gi` of the first kernel whose name matches."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([tool("cuobjdump"), "-xelf", "all", os.path.abspath(binary)], cwd=tmp, check=True,
                        capture_output=True)
@@ -50,6 +50,21 @@ def disassembly(binary: str, kernel: str) -> list:
     sys.exit(f"no kernel matching {kernel!r} in {binary}")
 
 
+def instructions(binary: str, kernel: str, source: str):
+    """(offset, line, opcode) of each instruction of the kernel: line is the outermost frame of its
+    inlined call chain that lies in the file named source (None outside it)."""
+    frame = re.compile(r'"([^"]*)", line (\d+)')
+    line = None
+    for text in disassembly(binary, kernel):
+        if "//##" in text:
+            lines = [int(n) for f, n in frame.findall(text) if f.endswith(source)]
+            line = lines[-1] if lines else None
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+        if m:
+            yield int(m.group(1), 16), line, m.group(2)
+
+
 def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # (piped into head)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,26 +73,20 @@ def main() -> None:
     ap.add_argument("--source", required=True, help="file name whose lines are reported")
     ap.add_argument("--loop", nargs=2, type=int, metavar=("FIRST", "LAST"), help="only lines in this range")
     args = ap.parse_args()
-    frame = re.compile(r'"([^"]*)", line (\d+)')
-    line, counts, total = None, collections.Counter(), collections.Counter()
-    for text in disassembly(args.binary, args.kernel):
-        if "//##" in text:
-            lines = [int(n) for f, n in frame.findall(text) if f.endswith(args.source)]
-            line = lines[-1] if lines else None
-            continue
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
-        if not m or line is None:
+    counts, total = collections.Counter(), collections.Counter()
+    for _, line, op in instructions(args.binary, args.kernel, args.source):
+        if line is None:
             continue
         if args.loop and not args.loop[0] <= line <= args.loop[1]:
             continue
         total["instructions"] += 1
-        if m.group(1) in ("LDL", "STL"):
-            counts[(line, m.group(1))] += 1
-            total[m.group(1)] += 1
+        if op in ("LDL", "STL"):
+            counts[(line, op)] += 1
+            total[op] += 1
     print(f"{args.source} lines {args.loop or 'all'}: {total['instructions']} instructions, "
           f"{total['LDL']} LDL, {total['STL']} STL")
-    for (ln, op), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"{n:5d} {op} line {ln}")
+    for (ln, kind), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"{n:5d} {kind} line {ln}")
 
 
 if __name__ == "__main__":

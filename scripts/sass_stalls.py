@@ -22,12 +22,11 @@ import csv
 import io
 import lzma
 import os
-import re
 import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_spills import disassembly  # noqa: E402
+from sass_spills import instructions  # noqa: E402
 
 REASONS = ["stall_long_sb", "stall_no_inst", "stall_barrier", "stall_wait", "stall_short_sb", "stall_selected"]
 
@@ -51,16 +50,7 @@ def main() -> None:
     data = [r for r in rows[head + 1:] if len(r) == len(rows[head])]
     base = min(int(r[cols["Address"]], 16) for r in data)
 
-    frame = re.compile(r'"([^"]*)", line (\d+)')
-    line, line_of = None, {}
-    for text in disassembly(args.binary, args.kernel):
-        if "//##" in text:
-            lines = [int(n) for f, n in frame.findall(text) if f.endswith(args.source)]
-            line = lines[-1] if lines else None
-            continue
-        m = re.search(r"/\*([0-9a-f]{4,})\*/", text)
-        if m:
-            line_of[int(m.group(1), 16)] = line
+    line_of = {off: line for off, line, _ in instructions(args.binary, args.kernel, args.source)}
 
     roles = sorted(((int(x.split(":")[1]), x.split(":")[0]) for x in args.roles))
 
