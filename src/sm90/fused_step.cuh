@@ -98,10 +98,11 @@ struct StepCfg {
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 enum : int { kMiscEvb = 6, kMiscEkb = 7, kMiscEm = 8 };  // dVb'''s and dKb'''s units (K, for A's X), dMb'''s (A, for K)
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
-// dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on): dg's a_i, x_i = <dK_d_i, K_i>,
-// R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b, K> rows (K).
+// dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on; its first 64 unused): x_i =
+// <dK_d_i, K_i>, R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b,
+// K> rows (K), dg's two warp totals (K).
 constexpr uint32_t kSdK = kQKBytes + kImgTokTok * 2;
-constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512;
+constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512, kSdTot = 576;
 constexpr int kMiscSdot = 40;  // dg: A's four warp partials of e^Gamma <dSn, S>
 // Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
@@ -152,31 +153,37 @@ struct StepGates {
   __device__ __forceinline__ const int8_t* qexp() const { return reinterpret_cast<const int8_t*>(base) + (kInvQexp - kInvGam); }
 };
 
-// A thread's gate factors for the gated causal 64 x 64 tiles (Pg'', dA) in the accumulator's
-// element order (rows r0, r0 + 8; columns 8 b + 2 (lane % 4) + {0, 1}): read from the stage once
-// a tile, not per element. scaled(e, u, s, x) = 2^(u + ek_j) e^(gamma_i - gamma_j) s x for
-// j <= i < len, else 0.
+// A thread's gate factors for the gated causal 64 x 64 tiles (Pg'', dA, dM) in the accumulator's
+// element order (rows r0, r0 + 8; columns 8 b + 2 (lane % 4) + {0, 1}), formed once a tile from the
+// stage: scaled(e, x) = 2^(u + ek_j) e^(gamma_i - gamma_j) s x for j <= i < len (j < i with
+// kStrict), else 0. Per element one add, one ex2 and two products: with g <= 0 the exponent is at
+// most u + ek_j on and below the diagonal (no clamp); above it ex2 may overflow, and the select
+// drops it (as K1's L' in inverse.cuh).
 struct GateFactors {
-  float gi[2], gj[16], kj[16];
-  int r0, c0, len;
+  float gi[2], dj[16], s;  // log2e gamma_i of the rows; u + ek_j - log2e gamma_j of the columns
+  int dc;                  // c0 - r0
+  bool live[2];            // row r0 + 8 h < len
   template <class CP>
-  __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len_) : len(len_) {
-    r0 = get<0>(cP(0));
-    c0 = get<1>(cP(0));
-    gi[0] = gt.gam()[r0];
-    gi[1] = gt.gam()[r0 + 8];
+  __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len, int u, float s_) : s(s_) {
+    const int r0 = get<0>(cP(0)), c0 = get<1>(cP(0));
+    dc = c0 - r0;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
+      live[h] = r0 + 8 * h < len;
+    }
     CUTE_UNROLL
     for (int b = 0; b < 16; ++b) {
       const int j = c0 + 8 * (b >> 1) + (b & 1);
-      gj[b] = gt.gam()[j];
-      kj[b] = static_cast<float>(gt.kexp()[j]);
+      dj[b] = static_cast<float>(u + gt.kexp()[j]) - gt.gam()[j] * kLog2e;
     }
   }
-  __device__ __forceinline__ float scaled(int e, int u, float s, float x) const {
+  template <bool kStrict = false>
+  __device__ __forceinline__ float scaled(int e, float x) const {
     const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1);
-    const int i = r0 + 8 * h, j = c0 + 8 * (e >> 2) + (e & 1);
-    const float y = fminf(gi[h] - gj[b], 0.f) * kLog2e + (static_cast<float>(u) + kj[b]);
-    return i < len && j <= i ? exp2f(y) * s * x : 0.f;
+    const int ji = dc + 8 * (e >> 2) + (e & 1) - 8 * h;  // j - i
+    const bool keep = live[h] && (kStrict ? ji < 0 : ji <= 0);
+    return keep ? exp2_approx(gi[h] + dj[b]) * (s * x) : 0.f;
   }
 };
 
@@ -189,7 +196,7 @@ __device__ __forceinline__ int run_row(uint32_t byte) { return static_cast<int>(
 // zeros (selected: the next sequence's tokens may be Inf or NaN).
 template <class T, class E, class Factor>
 __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, int wt, Factor factor) {
-  CUTE_UNROLL
+  #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache, docs/design.md bwd-46)
   for (int r = 0; r < 8; ++r) {
     const uint32_t b = run_byte(wt, r);
     const int row = run_row(b);
@@ -237,18 +244,34 @@ struct TokDPairs {
   __device__ __forceinline__ int col_of(int e) const { return c0 + 8 * (e >> 2) + (e & 1); }
 };
 
+// A (tok, 128) 16-bit TokD_K tile at shared address tile, read at a 64 x 128 accumulator's element
+// pairs by ldmatrix, four pairs an instruction (the converse of stmatrix_rows; TokDPairs' bytes):
+// f(e, bits) for e = 0, 2, .., 62 in order, bits the pair (e, e + 1) packed. Lane l addresses row
+// 16 w + 8 (m & 1) + l % 8 of column block tb + m / 2, m = l / 8.
+template <class F>
+__device__ __forceinline__ void tokd_pairs(uint32_t tile, int wt, F f) {
+  const int lane = wt & 31, mtx = lane >> 3;
+  const uint32_t base = tile + 128u * (16 * (wt >> 5) + 8 * (mtx & 1) + (lane & 7));
+  const uint32_t sw = static_cast<uint32_t>((mtx >> 1) ^ (lane & 7));
+  CUTE_UNROLL
+  for (int tb = 0; tb < 16; tb += 2) {
+    uint32_t r[4];
+    ldsm_x4(base + 8192u * (tb >> 3) + 16u * ((tb & 7) ^ sw), r);
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) f(4 * tb + 2 * q, r[q]);
+  }
+}
+
 // <acc_i, X_i> over the columns of a 64 x 128 accumulator, X a (tok, 128) TokD_K tile of type T
 // at shared address tile; rows r0 and r0 + 8 of the thread, summed over the quad that holds them
 // in a fixed order.
 template <class T, class Acc>
 __device__ __forceinline__ float2 row_dot(const Acc& acc, uint32_t tile, int wt) {
-  const TokDPairs pr(wt);
   float s[2] = {0.f, 0.f};
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); e += 2) {
-    const float2 x = unpack2<T>(lds_u32(tile + pr(e)));
+  tokd_pairs(tile, wt, [&](int e, uint32_t bits) {
+    const float2 x = unpack2<T>(bits);
     s[acc_half(e)] += acc(e) * x.x + acc(e + 1) * x.y;
-  }
+  });
   CUTE_UNROLL
   for (int o = 1; o < 4; o <<= 1) {
     s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);
@@ -490,8 +513,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (c > 0) mbar_wait(du_ready, (c - 1) & 1);  // K's last product has read the previous Pg''
       QLA_PHASE(2);
       {
-        const GateFactors gf(gt, cP, len);
-        stmatrix_rows<64, T>(tPg, fresh(wt), [&](int e) { return gf.scaled(e, ep, p.scale, accP(e)); });
+        const GateFactors gf(gt, cP, len, ep, p.scale);
+        stmatrix_rows<64, T>(tPg, fresh(wt), [&](int e) { return gf.scaled(e, accP(e)); });
       }
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
@@ -539,7 +562,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // same (v, d) layout, so the pairs are the same bytes of both; four warp partials for K.
           const uint32_t sa = smem_u32(sm + Cfg::kDSn) + 16u * fresh(wt), sb = smem_u32(sm + Cfg::kS) + 16u * wt;
           float sum = 0.f;
-          CUTE_UNROLL
+          #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
           for (int r = 0; r < 16; ++r) {
             const uint4 x = lds_u128(sa + 2048u * r), y = lds_u128(sb + 2048u * r);
             const uint32_t *px = &x.x, *py = &y.x;
@@ -578,10 +601,10 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // = 0 for bf16), into the tile of Pg'' once K's product has read it (du_ready); K reads
         // dA'' for dk before it releases the stage, so the next Pg'' cannot overwrite it early.
         float m = 0.f;
-        const GateFactors gf(gt, cP, len);
+        const GateFactors gf(gt, cP, len, -ed - eut, p.scale);
         CUTE_UNROLL
         for (int e = 0; e < size(accD); ++e) {
-          accD(e) = gf.scaled(e, -ed - eut, p.scale, accD(e));
+          accD(e) = gf.scaled(e, accD(e));
           m = fmaxf(m, fabsf(accD(e)));
         }
         const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
@@ -679,13 +702,26 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               gemm_pair_sync(mmaX, rA, rB, accX, rA2, rB2, accX2, GMMA::ScaleOut::Zero);
             }
             {
+              // Per column k of the thread (the accumulator's order, as GateFactors): 2^-ekb e^gamma_k
+              // and beta_k 2^-ek_k (0 past the end), formed once.
               const float fv = pow2c(-evb), fk = pow2c(-ekb);
+              float ck[16], cb[16];
+              {
+                const int c0 = get<1>(cX(0));
+                CUTE_UNROLL
+                for (int b = 0; b < 16; ++b) {
+                  const int k = c0 + 8 * (b >> 1) + (b & 1);
+                  ck[b] = fk * eg[k];
+                  cb[b] = k < len ? sBeta[k] * pow2c(-kexp[k]) : 0.f;
+                }
+              }
+              const bool live[2] = {r0 < len, r0 + 8 < len};
               float m = 0.f;
               CUTE_UNROLL
               for (int e = 0; e < size(accX); ++e) {
-                const int i = get<0>(cX(e)), k = get<1>(cX(e));
-                const float x = accX(e) * fv + accX2(e) * (fk * eg[k]);
-                accX(e) = i < len && k < len ? x * sBeta[k] * pow2c(-kexp[k]) : 0.f;
+                const int b = 2 * (e >> 2) + (e & 1);
+                const float x = accX(e) * fv + accX2(e) * ck[b];
+                accX(e) = live[(e >> 1) & 1] && cb[b] != 0.f ? x * cb[b] : 0.f;  // (x may be NaN past the end)
                 m = fmaxf(m, fabsf(accX(e)));
               }
               const int ex = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
@@ -698,9 +734,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               Tensor rA = thrL.partition_fragment_A(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + kX)), typename LH::TokTok_K{}));
               Tensor rB = thrL.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kD)), typename LH::TokTok_K{}));
               gemm_sync(mmaL, rA, rB, accX, GMMA::ScaleOut::Zero);
-              const GateFactors gf(gt, cX, len);
+              const GateFactors gf(gt, cX, len, -ex, -1.f);
               CUTE_UNROLL
-              for (int e = 0; e < size(accX); ++e) accX(e) = get<1>(cX(e)) < get<0>(cX(e)) ? -gf.scaled(e, -ex, 1.f, accX(e)) : 0.f;
+              for (int e = 0; e < size(accX); ++e) accX(e) = gf.scaled<true>(e, accX(e));
             }
             // K K^T (raw): dbeta's third row dot <(dM K)_i, K_i> = sum_j dM_ij (K K^T)_ij, and R's
             // second part dL o L = beta_i dM_ij (K K^T)_ij (B30) for dg.
@@ -835,15 +871,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const uint32_t sV = smem_u32(stb + Cfg::kV);
         const float egr[2] = {gt.eg()[pr.r0], gt.eg()[pr.r0 + 8]};
         float m = 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); e += 2) {  // (v's rows past the end are selected away: they may be NaN)
+        tokd_pairs(sV, wt, [&](int e, uint32_t bits) {  // (v's rows past the end are selected away: they may be NaN)
           const int i = pr.row_of(e);
           const float egi = egr[acc_half(e)];
-          const float2 v2 = unpack2<T>(lds_u32(sV + pr(e)));
+          const float2 v2 = unpack2<T>(bits);
           acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
           acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
           m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
-        }
+        });
         const int ez = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
         if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
         {
@@ -876,13 +911,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           const int j = pr.r0 + 8 * h;
           f[h] = j < len ? gt.egk()[j] * pow2c(gt.kexp()[j]) : 0.f;
         }
-        CUTE_UNROLL
-        for (int e = 0; e < size(rKd); e += 2) {
-          const float2 k2 = unpack2<T>(lds_u32(sK + pr(e)));
+        tokd_pairs(sK, wt, [&](int e, uint32_t bits) {
+          const float2 k2 = unpack2<T>(bits);
           const float fh = f[acc_half(e)];
           rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
           rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
-        }
+        });
       }
       // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
       Tensor accK = partition_fragment_C(mmaD, Shape<_64, _128>{});
@@ -967,21 +1001,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         Tensor acc = partition_fragment_C(mmaTW, Shape<_64, _128>{});
         {
           Tensor rDUt = make_tensor<T>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // (j, v), the accumulator's element order
-          const TokDPairs pr(wt);
-          const uint32_t sDU = smem_u32(sm + Cfg::kDU);
-          CUTE_UNROLL
-          for (int e = 0; e < size(rDUt); e += 2) {
-            const float2 u2 = unpack2<H>(lds_u32(sDU + pr(e)));
+          tokd_pairs(smem_u32(sm + Cfg::kDU), wt, [&](int e, uint32_t bits) {
+            const float2 u2 = unpack2<H>(bits);
             rDUt(e) = T(u2.x);
             rDUt(e + 1) = T(u2.y);
-          }
+          });
           Tensor rB = thrRS.partition_fragment_B(tT(sm, Cfg::kS, QK_MN{}));
           warpgroup_fence_operand(rDUt);
           gemm_sync(mmaRS, rDUt, rB, acc, GMMA::ScaleOut::Zero);
         }
         const int ew = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
-        if (wt == 0) bulk_wait_read();  // dv's bulk stores have read W''s tile
-        wg_bar(kBarStepK);
+        mbar_wait(du_free, c & 1);  // S's product has read W'
         {
           Tensor tW3 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
           const float fw = pow2c(ew);
@@ -1136,26 +1166,38 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           const float f = -pow2c(ea - u1);
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          Tensor rQt = thrG.partition_fragment_B(tT(stb, Cfg::kQ, typename LT::DTok_MN{}));
-          gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rQt, accDK, GMMA::ScaleOut::One);
+        }
+        // dA''^T Q, then dMb'' K + dMb''^T K once A's X block is done. With bf16 tiles (no units: em =
+        // ea = 0) the three products accumulate in one batch: dA^T Q runs while K waits for mb_ready.
+        Tensor rQt = thrG.partition_fragment_B(tT(stb, Cfg::kQ, typename LT::DTok_MN{}));
+        Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
+        Tensor rA2 = thrG.partition_fragment_A(tT(sm, kMb, typename LT::TokTok_MN{}));
+        Tensor rB = thrTW.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
+        Tensor rB2 = thrG.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
+        warpgroup_fence_operand(accDK);
+        warpgroup_arrive();
+        gemm_k(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rQt, accDK, GMMA::ScaleOut::One);
+        if constexpr (kTileUnits<T>) {
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(accDK);
         }
         mbar_wait(mb_ready, gi & 1);  // A's dMb'' (over dVb''), em and its rows
         const int em = misc[kMiscEm];
         db.x += sdK[kSdRr + r0];  // A's <dM K, K> rows
         db.y += sdK[kSdRr + r0 + 8];
-        {
-          if constexpr (kTileUnits<T>) {
-            const float f = pow2c(em - ea);
-            CUTE_UNROLL
-            for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          }
-          Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
-          Tensor rA2 = thrG.partition_fragment_A(tT(sm, kMb, typename LT::TokTok_MN{}));
-          Tensor rB = thrTW.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
-          Tensor rB2 = thrG.partition_fragment_B(tT(stb, Cfg::kK, typename LT::DTok_MN{}));
-          gemm_sync(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
-          gemm_sync(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
+        if constexpr (kTileUnits<T>) {
+          const float f = pow2c(em - ea);
+          CUTE_UNROLL
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
+          warpgroup_fence_operand(accDK);
+          warpgroup_arrive();
         }
+        gemm_k(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
+        gemm_k(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accDK);
         // A's part of dg lies in D''s tile, which S fills with the next chunk's D' once the stage is in:
         // read it before the stage goes.
         const float dg_a = p.dg && wt < kC ? reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2)[wt] : 0.f;
@@ -1192,15 +1234,28 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           // dg (B33): a_i = A's part (dg_a, read before the stage's release) + K's rows - K's column sums, x_i as above;
           // dg_t = sum_{i >= t} a_i + sum_{i < t} x_i + e^Gamma <dSn, S> (A's four warp partials).
           wg_bar(kBarStepK);  // x and the partials of every K thread written (A's: da_ready, mb_ready)
-          if (wt < kC)
-            sdK[wt] = wt < len ? dg_a + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
-                                     (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
-                               : 0.f;
+          // Token t = wt (warps 0 and 1): the sums over i < t of x and over i >= t of a by warp scans,
+          // the other warp's total through sdK's tail (x of warp 0 for warp 1, a of warp 1 for warp 0).
+          const int lane = wt & 31;
+          const float at = wt < len ? dg_a + sdK[kSdRows + wt] + sdK[kSdKb + wt] -
+                                          (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
+                                    : 0.f;
+          const float xt = wt < kC ? sdK[kSdX + wt] : 0.f;
+          float ax = at, xx = xt;  // inclusive scans: a from the warp's last lane down, x from its first up
+          CUTE_UNROLL
+          for (int o = 1; o < 32; o <<= 1) {
+            const float a2 = __shfl_down_sync(0xffffffffu, ax, o), x2 = __shfl_up_sync(0xffffffffu, xx, o);
+            if (lane + o < 32) ax += a2;
+            if (lane >= o) xx += x2;
+          }
+          if (wt == 32) sdK[kSdTot] = ax;      // warp 1's a
+          if (wt == 31) sdK[kSdTot + 1] = xx;  // warp 0's x
+          float xe = __shfl_up_sync(0xffffffffu, xx, 1);  // the exclusive sum (no cancellation)
+          if (lane == 0) xe = 0.f;
           wg_bar(kBarStepK);
           if (wt < len) {
             float g = fmisc[kMiscSdot] + fmisc[kMiscSdot + 1] + fmisc[kMiscSdot + 2] + fmisc[kMiscSdot + 3];
-            for (int i = 0; i < wt; ++i) g += sdK[kSdX + i];
-            for (int i = wt; i < len; ++i) g += sdK[i];
+            g += xe + ax + sdK[wt < 32 ? kSdTot : kSdTot + 1];
             store_f(p.dg, p.dg_dt, tile.b * p.sdg[0] + (t0 + wt) * p.sdg[1] + tile.hv, g);
           }
         }
@@ -1289,7 +1344,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     {
       const uint32_t src = smem_u32(stb + Cfg::kO), dst = smem_u32(sm + Cfg::kD);
       float m = 0.f;
-      CUTE_UNROLL
+      #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
       for (int r = 0; r < 8; ++r) {
         const uint32_t b = run_byte(wt, r);
         if (run_row(b) < len) {
