@@ -9,9 +9,19 @@ its samples there (docs/design.md bwd-18), the fused forward's K2 at 8,816 with 
     python3 scripts/sass_count.py build/.../libqla_core.so --filter chunk_grads
     python3 scripts/sass_count.py .ab/test_binary --filter 'fwd_chunks|fused_reverse'
 
-Counts are of the whole kernel (16 bytes an instruction); the hot loop is part of it.
+Counts are of the whole kernel (16 bytes an instruction); the hot loop is part of it. With
+--source (a -lineinfo build, one kernel matched) the count is split by role and phase: roles start
+at the source's `// ---------------- NAME:` lines, phases at its QLA_PHASE( lines, each instruction
+charged to the outermost frame of its inlined call chain in that file (scripts/sass_spills.py):
+
+    python3 scripts/sass_count.py .ab/step --filter 'fused_stepIN7cutlass10bfloat16' \
+        --source src/sm90/fused_step.cuh
+
+The reverse step's roles run their loops at once on every scheduler, so their hot code adds up
+against the instruction cache (~128 KiB second level, docs/design.md fused-35, bwd-46).
 cuobjdump is looked up as scripts/check_wheel.py does (PATH, beside nvcc, Triton's copy)."""
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -50,6 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("binary", help="an executable, shared library or cubin with sm_90a SASS")
     ap.add_argument("--filter", default="", help="regular expression on the mangled kernel name")
+    ap.add_argument("--source", help="source file of the kernel: counts by role and phase (needs -lineinfo)")
     args = ap.parse_args()
     tool = find_cuobjdump(find_nvcc() or "")
     if not tool:
@@ -60,7 +71,33 @@ def main() -> int:
     print(f"{'instructions':>12} {'KiB':>6} {'regs':>5} {'stack B':>8}  kernel")
     for n, (ins, regs, stack) in rows:
         print(f"{ins:12d} {ins * 16 / 1024:6.1f} {regs:5d} {stack:8d}  {n}")
+    if args.source:
+        if len(rows) != 1:
+            print("--source needs --filter to match one kernel", file=sys.stderr)
+            return 2
+        by_role_and_phase(args.binary, re.escape(rows[0][0]), args.source)
     return 0
+
+
+def by_role_and_phase(binary: str, kernel: str, source: str) -> None:
+    """Static instructions by role and by phase of one kernel (see the module's text)."""
+    from sass_spills import instructions  # noqa: E402 (same folder)
+    lines = open(source).read().splitlines()
+    roles = [(i + 1, m.group(1)) for i, t in enumerate(lines) if (m := re.search(r"// -{8,} (\w+):", t))]
+    phases = [i + 1 for i, t in enumerate(lines) if "QLA_PHASE(" in t and "define" not in t]
+    role_of = lambda ln: next((name for first, name in reversed(roles) if ln >= first), "-")
+    phase_of = lambda ln: max((f for f in phases if f <= ln), default=0)
+    by_role, by_phase = collections.Counter(), collections.Counter()
+    for _, line, _ in instructions(binary, kernel, os.path.basename(source)):
+        if line is None:
+            continue
+        by_role[role_of(line)] += 1
+        by_phase[(role_of(line), phase_of(line))] += 1
+    print(f"\n{'role':>6} {'instructions':>12} {'KiB':>6}   phases (first line: instructions)")
+    for first, name in [(0, "-")] + roles:
+        if by_role[name]:
+            ph = "  ".join(f"{f}: {n}" for (r, f), n in sorted(by_phase.items()) if r == name)
+            print(f"{name:>6} {by_role[name]:12d} {by_role[name] * 16 / 1024:6.1f}   {ph}")
 
 
 if __name__ == "__main__":
