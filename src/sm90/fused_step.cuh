@@ -161,15 +161,16 @@ struct StepGates {
 // drops it (as K1's L' in inverse.cuh).
 struct GateFactors {
   float gi[2], dj[16], s;  // log2e gamma_i of the rows; u + ek_j - log2e gamma_j of the columns
-  int dh[2];               // c0 - r0 - 8 h: element e keeps j <= i when dh[h] + 8 (e / 4) + e % 2 <= 0
-                           // (rows at or past len: a value that drops every element)
+  int dc;                  // c0 - r0
+  bool live[2];            // row r0 + 8 h < len
   template <class CP>
   __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len, int u, float s_) : s(s_) {
     const int r0 = get<0>(cP(0)), c0 = get<1>(cP(0));
+    dc = c0 - r0;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
-      dh[h] = r0 + 8 * h < len ? c0 - r0 - 8 * h : 1 << 20;
+      live[h] = r0 + 8 * h < len;
     }
     CUTE_UNROLL
     for (int b = 0; b < 16; ++b) {
@@ -179,8 +180,9 @@ struct GateFactors {
   }
   template <bool kStrict = false>
   __device__ __forceinline__ float scaled(int e, float x) const {
-    const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1), o = 8 * (e >> 2) + (e & 1);
-    const bool keep = kStrict ? dh[h] < -o : dh[h] <= -o;  // one compare with an immediate
+    const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1);
+    const int ji = dc + 8 * (e >> 2) + (e & 1) - 8 * h;  // j - i
+    const bool keep = live[h] && (kStrict ? ji < 0 : ji <= 0);
     return keep ? exp2_approx(gi[h] + dj[b]) * (s * x) : 0.f;
   }
 };
@@ -710,7 +712,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
                 for (int b = 0; b < 16; ++b) {
                   const int k = c0 + 8 * (b >> 1) + (b & 1);
                   ck[b] = fk * eg[k];
-                  cb[b] = sBeta[k] * pow2c(-kexp[k]);  // (sBeta is 0 past the end)
+                  cb[b] = k < len ? sBeta[k] * pow2c(-kexp[k]) : 0.f;
                 }
               }
               const bool live[2] = {r0 < len, r0 + 8 < len};
@@ -859,48 +861,44 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int gi = c - role.nwarm;
         mbar_wait(s_full, gi & 1);
         Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
-        // Z' then U'' into U''s tile, one rolled loop sharing the unit and the store (the instruction
-        // cache, bwd-47).
+        {
+          Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
+          Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
+          gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
+        }
+        if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
         const TokDPairs pr(wt);
+        const uint32_t sV = smem_u32(stb + Cfg::kV);
         const float egr[2] = {gt.eg()[pr.r0], gt.eg()[pr.r0 + 8]};
-        int ez = 0, eu = 0;
-        #pragma unroll 1
-        for (int it = 0; it < 2; ++it) {
-          float m = 0.f;
-          if (it == 0) {
-            {
-              Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
-              Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
-              gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
-            }
-            if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
-            tokd_pairs(smem_u32(stb + Cfg::kV), wt, [&](int e, uint32_t bits) {  // (v's rows past the end are selected away: they may be NaN)
-              const int i = pr.row_of(e);
-              const float egi = egr[acc_half(e)];
-              const float2 v2 = unpack2<T>(bits);
-              acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
-              acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
-              m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
-            });
-          } else {
-            Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
-            Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
-            gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
-            m = abs_max(acc);
-          }
-          const int eb = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (U'': its barrier: every product has read Z')
-          if (it == 0) {
-            ez = eb;
-            if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
-          } else {
-            eu = eb;
-          }
-          const float f = pow2c(eb);
+        float m = 0.f;
+        tokd_pairs(sV, wt, [&](int e, uint32_t bits) {  // (v's rows past the end are selected away: they may be NaN)
+          const int i = pr.row_of(e);
+          const float egi = egr[acc_half(e)];
+          const float2 v2 = unpack2<T>(bits);
+          acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
+          acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
+          m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
+        });
+        const int ez = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
+        {
+          const float f = pow2c(ez);
           stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
-          fence_async_smem();
-          if (it == 0) wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
+        }
+        fence_async_smem();
+        wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
+        {
+          Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
+          Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
+          gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
+        }
+        const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
+        {
+          const float f = pow2c(eu);
+          stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
         }
         if (wt == 0) misc[kMiscEut] = eu + gt.et() + ez;
+        fence_async_smem();
         mbar_arrive(u_ready);
       }
       QLA_PHASE(2);
@@ -993,10 +991,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(8);
       if (dkc) {
         // dk and dbeta (and dg with p.dg): the header's equations, from the tiles the chain has left.
-        // Rows past the end (a partial chunk) of dU', dW''', U'' and so of dVb, dKb and dK_d are exact
-        // zeros: Kd', Pg'' and Z are selected where they are formed, A zeroes dO's rows, and the
-        // inverse kernel's T' and Tu' are finite there (it zeroes K's rows before K K^T); so their
-        // row factors (0 past the end) drop them without a select.
         const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
@@ -1026,39 +1020,47 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
         QLA_PHASE(9);
-        // dVb = 2^-(ap + ek_i) T'^T dU' into dVb'' over S' (every K warp's dW has read it: the barrier
-        // above), then dKb = -2^-(ew + ap + ek_i) T'^T dW''' into dKb'' over dU' (once every K warp's
-        // dVb has read it), rows < len, in one rolled loop (the instruction cache, bwd-47). Their row
-        // dots <dVb_i, V_i> and e^gamma_i <dKb_i, K_i> are dbeta's first two (B31); beta_i times the
-        // second is a's.
+        // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
+        // warp's dW has read it: the barrier above).
         mbar_wait(tm_full, gi & 1);
-        float2 db = make_float2(0.f, 0.f), kb = db;  // kb: <dK_b_i, K_i>
-        int evb = 0, ekb = 0;
-        #pragma unroll 1
-        for (int it = 0; it < 2; ++it) {
-          {
-            Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
-            gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, it ? Cfg::kW : Cfg::kDU, typename LH::DTok_MN{})), acc,
-                      GMMA::ScaleOut::Zero);
-          }
-          const int eo = it ? -ew - ap : -ap;
-          float fr[2];
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? (it ? -1.f : 1.f) * pow2c(eo - kexp[r0 + 8 * h]) : 0.f;
-          CUTE_UNROLL
-          for (int e = 0; e < size(acc); ++e) acc(e) *= fr[acc_half(e)];  // (rows past the end: exact zeros, see dk's note)
-          const float2 d2 = row_dot<T>(acc, smem_u32(stb + (it ? Cfg::kK : Cfg::kV)), wt);
-          const float g0 = r0 < len ? (it ? eg[r0] : 1.f) * d2.x : 0.f, g1 = r0 + 8 < len ? (it ? eg[r0 + 8] : 1.f) * d2.y : 0.f;
+        Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
+        Tensor rW3 = thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{}));
+        gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), acc, GMMA::ScaleOut::Zero);
+        float fr[2];
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
+        float2 db = row_dot<T>(acc, smem_u32(stb + Cfg::kV), wt);
+        const int evb = kTileUnits<T> ? step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;
+        {
+          const float fv = pow2c(evb);
+          Tensor t = tile16(Cfg::kS);
+          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fv; });
+        }
+        // dKb = -2^-(ew + ap + ek_i) T'^T dW''' (rows < len): e^gamma_i <dKb_i, K_i> is dbeta's
+        // second row dot, beta_i times it a's (B31); dKb'' over dU' (every K warp's dVb has read
+        // it: evb's barrier).
+        gemm_sync(mmaV, rTt, rW3, acc, GMMA::ScaleOut::Zero);
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? -pow2c(-ew - ap - kexp[r0 + 8 * h]) : 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
+        float2 kb;  // <dK_b_i, K_i>
+        {
+          const float2 d2 = row_dot<T>(acc, smem_u32(stb + Cfg::kK), wt);
+          const float g0 = r0 < len ? eg[r0] * d2.x : 0.f, g1 = r0 + 8 < len ? eg[r0 + 8] * d2.y : 0.f;
           db.x += g0;
           db.y += g1;
-          if (it) kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
-          int eb = 0;
-          if constexpr (kTileUnits<T>) eb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
-          else if (it) wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
-          if (it) ekb = eb; else evb = eb;
-          const float fb = pow2c(eb);
-          Tensor t = tile16(it ? Cfg::kDU : Cfg::kS);
-          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fb; });
+          kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
+        }
+        int ekb = 0;
+        if constexpr (kTileUnits<T>) ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+        else wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
+        {
+          const float fk = pow2c(ekb);
+          Tensor t = tile16(Cfg::kDU);
+          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fk; });
         }
         // For A's X block (dL, dM and dMb''): dVb'' and dKb'', their units, beta (sBeta), and with dg
         // K's <dK_b, K> rows in sdK (kSdK's layout).
@@ -1088,7 +1090,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           CUTE_UNROLL
           for (int q = 0; q < 8; ++q) {
             const int i = col0 + q;
-            cf[q] = sBeta[i] * eg[i] * pow2c(-kexp[i]);  // (sBeta and e^gamma are 0 past the end)
+            cf[q] = i < len ? sBeta[i] * eg[i] * pow2c(-kexp[i]) : 0.f;
           }
           uint4 u[4];
           float m = 0.f;
@@ -1111,7 +1113,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             for (int q = 0; q < 4; ++q) {
               const float2 f = unpack2<H>(pu[q]);
               const float c0 = cf[2 * q] * fu, c1 = cf[2 * q + 1] * fu;
-              pu[q] = pack2<H>(f.x * c0, f.y * c1);  // (T' is finite: the inverse kernel zeroes K's rows past the end)
+              pu[q] = pack2<H>(c0 != 0.f ? f.x * c0 : 0.f, c1 != 0.f ? f.y * c1 : 0.f);
             }
             sts128(dst + 16u * (wt + 128 * r), u[r]);
           }
@@ -1132,14 +1134,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_arrive(dsn_free);
         {
           const int eut = misc[kMiscEut];
-          float fr[2];
           CUTE_UNROLL
           for (int h = 0; h < 2; ++h) {
             const int j = r0 + 8 * h;
             fr[h] = j < len ? gt.egk()[j] * pow2c(kexp[j] - eut - en) : 0.f;
           }
           CUTE_UNROLL
-          for (int e = 0; e < size(accDK); ++e) accDK(e) *= fr[acc_half(e)];  // (rows past the end: exact zeros)
+          for (int e = 0; e < size(accDK); ++e) accDK(e) = fr[acc_half(e)] != 0.f ? accDK(e) * fr[acc_half(e)] : 0.f;
         }
         if (p.dg) {
           const float2 x = row_dot<T>(accDK, smem_u32(stb + Cfg::kK), wt);
