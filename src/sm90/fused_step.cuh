@@ -1241,12 +1241,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
                                           (sdK[kSdCols + wt] + sdK[kSdCols + 64 + wt] + sdK[kSdCols + 128 + wt] + sdK[kSdCols + 192 + wt])
                                     : 0.f;
           const float xt = wt < kC ? sdK[kSdX + wt] : 0.f;
-          float ax = at, xx = xt;  // inclusive scans: a from the warp's last lane down, x from its first up
+          const float xx = warp_inclusive_sum(xt);  // x from the warp's first lane up
+          float ax = at;                             // a from its last lane down (a suffix scan: no cancellation)
           CUTE_UNROLL
           for (int o = 1; o < 32; o <<= 1) {
-            const float a2 = __shfl_down_sync(0xffffffffu, ax, o), x2 = __shfl_up_sync(0xffffffffu, xx, o);
+            const float a2 = __shfl_down_sync(0xffffffffu, ax, o);
             if (lane + o < 32) ax += a2;
-            if (lane >= o) xx += x2;
           }
           if (wt == 32) sdK[kSdTot] = ax;      // warp 1's a
           if (wt == 31) sdK[kSdTot + 1] = xx;  // warp 0's x
