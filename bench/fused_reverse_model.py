@@ -28,10 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from backward_precision import f16, make_case, rel  # noqa: E402
 
 
-def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf16=False):
+def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf16=False, tail=""):
     """(dq, dk, dv, dg, dbeta, dh0) for B = 1, q/k heads = value heads, T a multiple of C.
     s_bf16: the states pass's S' in bf16 (an image with no units) instead of fp16, and dU' rounded
-    to bf16 where it meets S' (dW = -dU S^T: a wgmma's operands share one type)."""
+    to bf16 where it meets S' (dW = -dU S^T: a wgmma's operands share one type).
+    tail: the dk tail's fp16 tiles (each with a unit, so a warpgroup reduction in the step) taken
+    to bf16 (no unit) instead, by letter: t T' where dKb and dL read it, w dW''', x X'', b Tb''
+    (dK_b = Tb''^T dW''' as a product, not diag(beta e^g) dKb). The kernel's operands of one
+    product share a type, so a usable set pairs them (t with w and x; b with w)."""
     f = torch.float32
     h = f16 if rounded else (lambda x: x)                                  # fp16 operand
     b = (lambda x: x.to(torch.bfloat16).float()) if rounded else (lambda x: x)  # bf16 operand
@@ -91,13 +95,17 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf
         dq[:, c] = dQ_S + dA @ k_
         # K: dK_P, dK_d, dW, dVb, dKb.
         dK_d = egk[..., None] * (Us @ tr(dSs))
-        dWs = h(-((b(dUs) if s_bf16 else dUs) @ tr(Ss)))  # (a bf16 S' pairs with dU' in bf16 here)
+        Tt = b(Tm_all[:, c]) if "t" in tail else Tm
+        dWs = (b if "w" in tail else h)(-((b(dUs) if s_bf16 else dUs) @ tr(Ss)))  # (a bf16 S' pairs with dU' in bf16 here)
         dVb = tr(Tm) @ dUs
-        dKb = tr(Tm) @ dWs
-        dK_b = (bt * eg)[..., None] * dKb
+        dKb = tr(Tt) @ dWs
+        if "b" in tail:
+            dK_b = tr(b(Tm_all[:, c] * (bt * eg)[:, None, :])) @ dWs
+        else:
+            dK_b = (bt * eg)[..., None] * dKb
         # dL from dVb, dKb as bf16 register operands against V and K, the sum against Tm^T.
         X = b(dVb) @ tr(v_) + (b(dKb) @ tr(k_)) * eg[:, None, :]
-        dL = torch.where(strict, -(h(X * bt[:, None, :]) @ tr(Tm)), torch.zeros(()))
+        dL = torch.where(strict, -((b if "x" in tail else h)(X * bt[:, None, :]) @ tr(Tt)), torch.zeros(()))
         dMs = b(Es * dL)
         dMK = dMs @ k_
         dk[:, c] = tr(dA) @ q_ + dK_d + dK_b + bt[..., None] * dMK + tr(b(dMs * bt[..., None])) @ k_
@@ -115,7 +123,7 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf
     return tok(dq), tok(dk), tok(dv), un(dg), un(dbeta), dSn[None]
 
 
-def errors(T, HV, rounded, s_bf16=False):
+def errors(T, HV, rounded, s_bf16=False, tail=""):
     """Worst relative L2 per gradient over the three gate cases, against the fp64 chunked backward."""
     from qla import reference
     scale = 128 ** -0.5
@@ -124,7 +132,7 @@ def errors(T, HV, rounded, s_bf16=False):
         q, k, v, g, beta, do, dht, h0 = make_case(gate, T, HV, 100 + i)
         ref = reference.chunked_backward(q.double(), k.double(), v.double(), g.double(), beta.double(), do.double(),
                                          dht.double(), scale=scale, initial_state=h0.double())
-        out = fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=rounded, s_bf16=s_bf16)
+        out = fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=rounded, s_bf16=s_bf16, tail=tail)
         worst = [max(w, rel(o, r)) for w, o, r in zip(worst, out, ref)]
     return worst
 
@@ -157,6 +165,7 @@ def main():
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--HV", type=int, default=2)
     ap.add_argument("--gva", type=int, default=0, help="also G value heads a q/k head: dq, dk's group sums")
+    ap.add_argument("--tail", action="store_true", help="also the dk tail's fp16 tiles in bf16 (fused_reverse's tail)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -165,6 +174,10 @@ def main():
     for label, rounded, sb in (("fp32 algebra", False, False), ("planned types", True, False),
                                ("S' in bf16", True, True)):
         print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, rounded, sb)), flush=True)
+    if args.tail:  # with S' in bf16, as the step runs bf16 inputs
+        for label, tail in (("+ T' bf16", "t"), ("+ T' X''", "tx"), ("+ T' dW'''", "tw"), ("+ T' dW''' X''", "twx"),
+                            ("+ and Tb''", "twxb")):
+            print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, True, True, tail)), flush=True)
     if args.gva:
         print(f"GVA, {args.gva} value heads a q/k head, dq and dk with the outputs' bf16 rounding:")
         for name, (eq, ek) in gva_errors(args.T, args.HV * args.gva, args.gva).items():
