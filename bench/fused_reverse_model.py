@@ -34,8 +34,10 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf
     to bf16 where it meets S' (dW = -dU S^T: a wgmma's operands share one type).
     tail: the dk tail's fp16 tiles (each with a unit, so a warpgroup reduction in the step) taken
     to bf16 (no unit) instead, by letter: t T' where dKb and dL read it, w dW''', x X'', b Tb''
-    (dK_b = Tb''^T dW''' as a product, not diag(beta e^g) dKb). The kernel's operands of one
-    product share a type, so a usable set pairs them (t with w and x; b with w)."""
+    (dK_b = Tb''^T dW''' as a product, not diag(beta e^g) dKb), k dK_b as diag(beta e^g) times dKb
+    read back from its bf16 tile (no Tb'' product), v and r dU' and dW''' rounded to bf16 where dVb
+    and dKb read them (register operands against a bf16 T'). The kernel's operands of one product
+    share a type, so a usable set pairs them: t needs v and r (or w), and w needs b or k."""
     f = torch.float32
     h = f16 if rounded else (lambda x: x)                                  # fp16 operand
     b = (lambda x: x.to(torch.bfloat16).float()) if rounded else (lambda x: x)  # bf16 operand
@@ -97,10 +99,12 @@ def fused_reverse(q, k, v, g, beta, do, dht, h0, scale, rounded=True, C=64, s_bf
         dK_d = egk[..., None] * (Us @ tr(dSs))
         Tt = b(Tm_all[:, c]) if "t" in tail else Tm
         dWs = (b if "w" in tail else h)(-((b(dUs) if s_bf16 else dUs) @ tr(Ss)))  # (a bf16 S' pairs with dU' in bf16 here)
-        dVb = tr(Tm) @ dUs
-        dKb = tr(Tt) @ dWs
+        dVb = tr(Tt) @ b(dUs) if "v" in tail else tr(Tm) @ dUs
+        dKb = tr(Tt) @ (b(dWs) if "r" in tail else dWs)
         if "b" in tail:
             dK_b = tr(b(Tm_all[:, c] * (bt * eg)[:, None, :])) @ dWs
+        elif "k" in tail:
+            dK_b = (bt * eg)[..., None] * b(dKb)
         else:
             dK_b = (bt * eg)[..., None] * dKb
         # dL from dVb, dKb as bf16 register operands against V and K, the sum against Tm^T.
@@ -176,7 +180,9 @@ def main():
         print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, rounded, sb)), flush=True)
     if args.tail:  # with S' in bf16, as the step runs bf16 inputs
         for label, tail in (("+ T' bf16", "t"), ("+ T' X''", "tx"), ("+ T' dW'''", "tw"), ("+ T' dW''' X''", "twx"),
-                            ("+ and Tb''", "twxb")):
+                            ("+ and Tb''", "twxb"),
+                            ("+ dK_b of dKb''", "twxk"),
+                            ("+ T' v r X''", "tvrx")):
             print(f"{label:14}" + "".join(f"{e:10.2e}" for e in errors(args.T, args.HV, True, True, tail)), flush=True)
     if args.gva:
         print(f"GVA, {args.gva} value heads a q/k head, dq and dk with the outputs' bf16 rounding:")
