@@ -3,7 +3,8 @@
 
   - one sm_90a ELF for each sm90 translation unit (src/sm90/*.cu),
   - HGMMA (Hopper's wgmma, only in sm_90a code) in the SASS,
-  - no PTX, so the driver has nothing to compile when the module loads.
+  - no PTX, so the driver has nothing to compile when the module loads,
+  - no kernel whose wgmma ptxas serialized (an arrive before every HGMMA).
 
     python3 scripts/check_wheel.py dist/qla-*.whl
 
@@ -73,7 +74,25 @@ def check_kernels(so: str, tool: str) -> str:
     hgmma = sass.count("HGMMA")
     if hgmma == 0:
         raise WheelCheckError("no HGMMA in the SASS: the tensor-core kernels were not built for sm_90a")
+    serialized = serialized_wgmma_kernels(sass)
+    if serialized:
+        raise WheelCheckError("ptxas serialized the wgmma of " + "; ".join(serialized) +
+                              " (a warpgroup.arrive before every HGMMA: see ptxas's C7510-C7520 notes in a -Xptxas -v build)")
     return f"{len(units)} sm_90a ELF ({', '.join(units)}), {hgmma} HGMMA, no PTX"
+
+
+def serialized_wgmma_kernels(sass: str) -> list[str]:
+    """Kernels whose every HGMMA has its own WARPGROUP.ARRIVE: ptxas serialized their wgmma (it
+    says so only in a -Xptxas -v build, e.g. C7520 when it had to put an arrive in a divergent
+    path), so no product overlaps another or the code around it. A kernel that batches its
+    products has a few arrives for many HGMMA (a batch of K steps is one arrive)."""
+    out = []
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        name, body = part.split("\n", 1)
+        n_mma, n_arrive = body.count("HGMMA"), body.count("WARPGROUP.ARRIVE")
+        if n_mma >= 8 and n_arrive >= n_mma:
+            out.append(f"{name.strip()} ({n_mma} HGMMA, {n_arrive} arrives)")
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,8 @@
 A kernel whose hot path outgrows the SM's instruction cache waits on instruction fetch (ncu's
 `no_instruction` stall): the gradients kernel at ~10,100 instructions a value head spent 44% of
 its samples there (docs/design.md bwd-18), the fused forward's K2 at 8,816 with four roles 31%
-(fused-34). Check the count after every change to a kernel:
+(fused-34). Check the count after every change to a kernel; it also names any kernel whose wgmma
+ptxas serialized (an arrive before every HGMMA, C7520 in a -Xptxas -v build; bwd-50):
 
     python3 scripts/sass_count.py build/.../libqla_core.so --filter chunk_grads
     python3 scripts/sass_count.py .ab/test_binary --filter 'fwd_chunks|fused_reverse'
@@ -28,7 +29,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_wheel import find_cuobjdump, find_nvcc  # noqa: E402
+from check_wheel import find_cuobjdump, find_nvcc, serialized_wgmma_kernels  # noqa: E402
 
 
 def by_kernel(text: str, header: str):
@@ -71,6 +72,10 @@ def main() -> int:
     print(f"{'instructions':>12} {'KiB':>6} {'regs':>5} {'stack B':>8}  kernel")
     for n, (ins, regs, stack) in rows:
         print(f"{ins:12d} {ins * 16 / 1024:6.1f} {regs:5d} {stack:8d}  {n}")
+    sass = subprocess.run([tool, "-sass", args.binary], capture_output=True, text=True, check=True).stdout
+    for k in serialized_wgmma_kernels(sass):
+        if re.search(args.filter, k):
+            print(f"SERIALIZED wgmma (an arrive before every HGMMA): {k}")
     if args.source:
         if len(rows) != 1:
             print("--source needs --filter to match one kernel", file=sys.stderr)
