@@ -17,9 +17,12 @@
 //      gates (inverse.cuh) into the stage ring, chunks in reverse order; for the chunks whose
 //      gradients are formed, the states pass's S' image (one bulk copy into its own tile), and
 //      with dk the region's T' image (into D''s tile once D' is read).
+//   Z (WG0's other three warps): at a partial chunk (the piece's first step, chunks run last to
+//      first) q, k, v and dO's rows past the sequence's end, which hold the next sequence's
+//      tokens (any value, Inf or NaN), zeroed in the stage before A, K and S read it; so every
+//      product and elementwise pass reads finite tiles and needs no per-element select.
 //   A (WG1): Pg'' (the gated scores, a tile in the input type) and W' (fp16), from the raw q, k
-//      tiles; zeroes dO's rows past the sequence's end (they hold the next sequence's tokens);
-//      dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i and
+//      tiles; dP, dA (dA'' into Pg''s tile for K's dk), dq; with dg its part of each token's a_i and
 //      e^Gamma <dSn, S> (from dSn' and S'); with dk, after dq, K's X block (X, dL, dM, dMb'').
 //   K (WG2): Z and U''; dU' (fp16 tile) from the register operand Kd' and the two tiles; dv; with
 //      dk, after dv, the rest of the gradients (dk, dbeta, dg) in the tiles the chain has left.
@@ -86,17 +89,18 @@ struct StepCfg {
   static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
   static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready
-  static constexpr int kBars = 2 * kStages + 16;
-  static constexpr size_t kSmem = 1024 + kBar + 144;  // (1 KiB of alignment slack first)
+  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tail_ready, tb_ready
+  static constexpr int kBars = 2 * kStages + 18;
+  static constexpr size_t kSmem = 1024 + kBar + 160;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kBars * 8 <= 144, "the mbarriers over their part");
+  static_assert(kBars * 8 <= 160, "the mbarriers over their part");
   static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
 // Scalars in kMisc (ints, then float reduction slots: two alternating sets of four per role).
 enum : int { kMiscEn = 0, kMiscEp = 1, kMiscEu = 2, kMiscEd = 3, kMiscEut = 4, kMiscEa = 5 };  // en; ep; en + eu; ed; U'''s units; dA'''s
 enum : int { kMiscEvb = 6, kMiscEkb = 7, kMiscEm = 8 };  // dVb'''s and dKb'''s units (K, for A's X), dMb'''s (A, for K)
+enum : int { kMiscUb = 9 };                                // Tb'''s unit (S, for K)
 constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 // dk's row scratch (floats) after X'' in S''s tile (kSdK bytes on; its first 64 unused): x_i =
 // <dK_d_i, K_i>, R_L's rows and its column sums per A warp (A), dbeta's <dM K, K> rows (A), <dK_b,
@@ -161,16 +165,15 @@ struct StepGates {
 // drops it (as K1's L' in inverse.cuh).
 struct GateFactors {
   float gi[2], dj[16], s;  // log2e gamma_i of the rows; u + ek_j - log2e gamma_j of the columns
-  int dc;                  // c0 - r0
-  bool live[2];            // row r0 + 8 h < len
+  int dh[2];               // c0 - r0 - 8 h: element e keeps j <= i when dh[h] + 8 (e / 4) + e % 2 <= 0
+                           // (rows at or past len: a value that drops every element)
   template <class CP>
   __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len, int u, float s_) : s(s_) {
     const int r0 = get<0>(cP(0)), c0 = get<1>(cP(0));
-    dc = c0 - r0;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
-      live[h] = r0 + 8 * h < len;
+      dh[h] = r0 + 8 * h < len ? c0 - r0 - 8 * h : 1 << 20;
     }
     CUTE_UNROLL
     for (int b = 0; b < 16; ++b) {
@@ -180,9 +183,8 @@ struct GateFactors {
   }
   template <bool kStrict = false>
   __device__ __forceinline__ float scaled(int e, float x) const {
-    const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1);
-    const int ji = dc + 8 * (e >> 2) + (e & 1) - 8 * h;  // j - i
-    const bool keep = live[h] && (kStrict ? ji < 0 : ji <= 0);
+    const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1), o = 8 * (e >> 2) + (e & 1);
+    const bool keep = kStrict ? dh[h] < -o : dh[h] <= -o;  // one compare with an immediate
     return keep ? exp2_approx(gi[h] + dj[b]) * (s * x) : 0.f;
   }
 };
@@ -192,16 +194,14 @@ struct GateFactors {
 // swizzle moves runs within their row).
 __device__ __forceinline__ uint32_t run_byte(int wt, int r) { return 16u * (wt + 128 * r); }
 __device__ __forceinline__ int run_row(uint32_t byte) { return static_cast<int>((byte & 8191u) >> 7); }
-// dst = diag(factor(row)) src over a (tok, 128) TokD_K tile, in type E; rows at or past len are
-// zeros (selected: the next sequence's tokens may be Inf or NaN).
+// dst = diag(factor(row)) src over a (tok, 128) TokD_K tile, in type E (the stage's rows past the
+// end are zeros, see role Z, and the factors finite there).
 template <class T, class E, class Factor>
-__device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int len, int wt, Factor factor) {
+__device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int wt, Factor factor) {
   #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache, docs/design.md bwd-46)
   for (int r = 0; r < 8; ++r) {
     const uint32_t b = run_byte(wt, r);
-    const int row = run_row(b);
-    const uint4 u = lds_u128(src + b);
-    sts128(dst + b, row < len ? scaled_run<T, E>(u, factor(row)) : make_uint4(0u, 0u, 0u, 0u));
+    sts128(dst + b, scaled_run<T, E>(lds_u128(src + b), factor(run_row(b))));
   }
 }
 
@@ -286,6 +286,27 @@ __device__ __forceinline__ void store_tile_boxes(const CUtensorMap* map, const u
   for (int h = 0; h < 2; ++h) tma_store_4d(map, tile + h * (kQKBytes / 2), h * 64, hv, t0, b);
   bulk_commit();
 }
+// The same tile out by the warpgroup's generic stores (a partial chunk, whose boxes would write
+// past the sequence's end, or strides a tensor map cannot take): its rows < len to base (row
+// stride ld elements, unit column stride), four 4-byte stores a 16-byte run. One rolled path for
+// every gradient, so that the cold case adds little code beside the hot one.
+template <class T>
+__device__ __forceinline__ void store_tile_rows(uint32_t tile, T* base, int64_t ld, int len, int wt) {
+  #pragma unroll 1
+  for (int r = 0; r < 8; ++r) {
+    const uint32_t b = run_byte(wt, r);
+    const int row = run_row(b);
+    if (row < len) {
+      const int col = 64 * static_cast<int>(b >> 13) + 8 * static_cast<int>(((b >> 4) & 7u) ^ (row & 7));  // (the swizzle undone)
+      const uint4 u = lds_u128(tile + b);
+      uint32_t* g = reinterpret_cast<uint32_t*>(base + row * ld + col);
+      g[0] = u.x;
+      g[1] = u.y;
+      g[2] = u.z;
+      g[3] = u.w;
+    }
+  }
+}
 // Row sums (rows r0, r0 + 8 of the thread, summed over the quad) and the warp's column sums of
 // a 64 x 64 accumulator (lanes 0 .. 3 write them to colp[64 w + j], w the warp): both in fixed
 // orders (deterministic).
@@ -323,6 +344,48 @@ __device__ __forceinline__ float abs_max(const Acc& acc) {
   return m;
 }
 
+// Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (fp16; columns past the end 0: beta and e^gamma are) from
+// T' (tile src, (i, k) 64 x 64 fp16) into dst, ub from its largest magnitude (a warpgroup
+// reduction on named barrier kBarStepS, red's slots by flip) into *ub_out; dK_b = -2^-(ew + a' +
+// ub) Tb''^T dW''' then accumulates with dk's other terms. A thread's four 16-byte runs (rows
+// wt / 8 + 16 r) hold the same eight columns (the swizzle moves a run by the row's low bits, equal
+// for all four); two passes over shared memory keep S's registers for its accumulators.
+__device__ __forceinline__ void form_tb(uint32_t src, uint32_t dst, const float* beta, const float* eg, const int8_t* kexp,
+                                        float* red, int wt, int flip, int* ub_out) {
+  using H = cutlass::half_t;
+  const int col0 = 8 * ((wt & 7) ^ ((wt >> 3) & 7));
+  float cf[8];
+  CUTE_UNROLL
+  for (int q = 0; q < 8; ++q) cf[q] = beta[col0 + q] * eg[col0 + q] * pow2c(-kexp[col0 + q]);
+  float m = 0.f;
+  #pragma unroll 1
+  for (int r = 0; r < 4; ++r) {
+    const uint4 u = lds_u128(src + 16u * (wt + 128 * r));
+    const uint32_t* pu = &u.x;
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = unpack2<H>(pu[q]);
+      m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
+    }
+  }
+  const int ub = step_unit(wg_max(m, red, wt, kBarStepS, flip));
+  const float fu = pow2c(ub);
+  CUTE_UNROLL
+  for (int q = 0; q < 8; ++q) cf[q] *= fu;
+  #pragma unroll 1
+  for (int r = 0; r < 4; ++r) {
+    uint4 u = lds_u128(src + 16u * (wt + 128 * r));
+    uint32_t* pu = &u.x;
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = unpack2<H>(pu[q]);
+      pu[q] = pack2<H>(f.x * cf[2 * q], f.y * cf[2 * q + 1]);  // (T' is finite: the inverse kernel zeroes K's rows past the end)
+    }
+    sts128(dst + 16u * (wt + 128 * r), u);
+  }
+  if (wt == 0) *ub_out = ub;
+}
+
 // The reverse step: RecParams as the reverse chain's (tiles_log2 = 0: one V tile of 128; pieces,
 // maps and passes as reverse_role says), tmv d_o's tensor map, h0 / sh0 d(final state) (null:
 // zero), hT / shT d(initial state) in the state layout vk, o / so dv (written for the chunks
@@ -340,7 +403,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* full = reinterpret_cast<uint64_t*>(sm + Cfg::kBar);  // kStages of full, then of empty
   uint64_t* empty = full + kStages;
   uint64_t* dsn_ready = empty + kStages;  // S: dSn' and en of the chunk (and S's reads of W' and dU' of the last)
-  uint64_t* pg_ready = dsn_ready + 1;     // A: Pg'' and ep (dO's rows past the end zeroed)
+  uint64_t* pg_ready = dsn_ready + 1;     // A: Pg'' and ep
   uint64_t* w_ready = pg_ready + 1;       // A: W'
   uint64_t* du_ready = w_ready + 1;       // K: dU' and its units (and K's reads of Pg'' and dSn')
   uint64_t* d_ready = du_ready + 1;       // S: D' and ed
@@ -355,6 +418,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* da_ready = tm_full + 1;       // A: dA'' in Pg''s tile and its unit ea (chunks with gradients)
   uint64_t* vkb_ready = da_ready + 1;     // K: dVb'' and dKb'' and their units, beta, K's dg rows (chunks with dk)
   uint64_t* mb_ready = vkb_ready + 1;     // A: dMb'' and em, its dbeta and dg rows and columns (chunks with dk)
+  uint64_t* tail_ready = mb_ready + 1;    // Z: the stage's rows past the end zeroed (a partial chunk)
+  uint64_t* tb_ready = tail_ready + 1;    // S: Tb'' in the stage's Tu' slot and ub (chunks with dk)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -378,6 +443,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(da_ready, 128);
     mbar_init(vkb_ready, 128);
     mbar_init(mb_ready, 128);
+    mbar_init(tail_ready, 96);
+    mbar_init(tb_ready, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -394,10 +461,33 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   auto step_grads = [&](int c) { return role.out && c >= role.nwarm && p.dq && p.grad_simg; };
   // Whether it forms dk and dbeta too (their outputs, T' images and beta all set: launch_fused_step).
   auto step_dk = [&](int c) { return step_grads(c) && p.dk; };
+  // A, K and S at the stage of loop step c: a partial chunk (only the first step can be one) waits
+  // for role Z's zeros past the end.
+  auto wait_stage = [&](int c, int len) {
+    mbar_wait(&full[c % kStages], sparity(c));
+    if (len < kC) mbar_wait(tail_ready, 0);
+  };
 
   if (wg == 0) {
     // ---------------- P: the loads ----------------
     set_role_registers<Cfg::kRegs[0], Cfg::kEntryRegs>();
+    if (wt >= 32) {
+      // ---------------- Z: the partial chunk's rows past the end, zeroed ----------------
+      const int len = chunk_len(0);
+      if (len < kC) {
+        mbar_wait(&full[0], sparity(0));
+        // Rows len .. 63 of each 64-column box of q, k, v, dO: 128-byte rows, so one contiguous run a box.
+        static_assert(Cfg::kQ == 0 && Cfg::kK == kQKBytes && Cfg::kV == 2 * kQKBytes && Cfg::kO == 3 * kQKBytes, "the stage's input tiles out of order");
+        const uint32_t base = smem_u32(stage(0)), run = static_cast<uint32_t>(kC - len) * 128u;
+        for (uint32_t i = 16u * (wt - 32); i < 8u * run; i += 16u * 96u) {
+          const uint32_t box = i / run, off = i % run;  // boxes: q, q, k, k, v, v, dO, dO
+          sts128(base + box * (kQKBytes / 2) + static_cast<uint32_t>(len) * 128u + off, make_uint4(0u, 0u, 0u, 0u));
+        }
+        fence_async_smem();  // (the zeros before the products read the tiles)
+        mbar_arrive(tail_ready);
+      }
+      return;
+    }
     if (wt != 0) return;
     const int hq = tile.hv / (p.HV / p.H), bb = static_cast<int>(tile.b);
     for (int c = 0; c < nch; ++c) {
@@ -487,7 +577,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int len = chunk_len(c);
       const bool grads = step_grads(c);  // (the gradients of this chunk)
       const bool sdot = grads && p.dg && p.dk;  // A reads dSn' for dg's e^Gamma <dSn, S>
-      mbar_wait(&full[c % kStages], sparity(c));
+      wait_stage(c, len);
       QLA_PHASE(0);
       // P = Q K^T (raw inputs), under the bound of the unit of Pg''.
       Tensor accP = partition_fragment_C(mmaP, Shape<_64, _64>{});
@@ -501,11 +591,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       // |2^ek_j scale e^(gamma_i - gamma_j) q_i.k_j| <= |scale| 2^(1 - eq_i) x 1.1025 (|2^ek k|, |2^eq q| < 2^(1/2) x 1.05).
       const int ep = step_unit(fabsf(p.scale) * 2.25f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
-      if (len < kC) {  // dO's rows past the end: zeros (read raw by products; 0 x NaN would be NaN)
-        CUTE_UNROLL
-        for (int r = 0; r < 8; ++r)
-          if (run_row(run_byte(wt, r)) >= len) sts128(smem_u32(stb + Cfg::kO) + run_byte(wt, r), make_uint4(0u, 0u, 0u, 0u));
-      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accP);
       // The image of Pg''^T (i, j): 2^(ep + ek_j) scale e^(gamma_i - gamma_j) P_ij for j <= i < len, else 0.
@@ -526,7 +611,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(4);
       {
         const float* eg = gt.eg();
-        scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), len, wt, [&](int row) { return eg[row]; });
+        scale_rows<T, H>(smem_u32(stb + Cfg::kK), smem_u32(sm + Cfg::kW), wt, [&](int row) { return eg[row]; });
       }
       fence_async_smem();  // (Kw) before the product reads it
       wg_bar(kBarStepA);   // Kw written by every thread before the product reads it
@@ -628,13 +713,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         }
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         const float inv = pow2c(-ea);
+        // dq into the tile of Qg' once S's product has read it; a full chunk then goes out by two
+        // bulk tensor stores, whose reads of the tile end before the stage is released (S writes the
+        // next Qg' there), a partial one by generic stores (store_tile_rows).
+        mbar_wait(qg_free, c & 1);
+        stmatrix_rows<128, T>(tDQ, fresh(wt), [&](int e) { return accQ(e) * inv; });
         if (p.dq_tma && len == kC) {
-          // A full chunk: dq into the tile of Qg' once S's product has read it, then two bulk
-          // tensor stores; their reads of the tile end before the stage is released (S writes
-          // the next Qg' there). Partial chunks store from registers: a box would write past the
-          // sequence's end.
-          mbar_wait(qg_free, c & 1);
-          stmatrix_rows<128, T>(tDQ, fresh(wt), [&](int e) { return accQ(e) * inv; });
           fence_async_smem();
           wg_bar(kBarStepA);
           if (wt == 0) {
@@ -642,12 +726,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             bulk_wait_read();
           }
         } else {
-          T* base = dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2];
-          CUTE_UNROLL
-          for (int e = 0; e < size(accQ); e += 2) {
-            const int i = get<0>(cY(e)), d = get<1>(cY(e));
-            if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdq[1] + d) = pack2<T>(accQ(e) * inv, accQ(e + 1) * inv);
-          }
+          wg_bar(kBarStepA);
+          store_tile_rows<T>(smem_u32(sm + Cfg::kQg), dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2],
+                             p.sdq[1], len, wt);
         }
         if (p.dg && p.dk) {
           // R_P = strict(dP o P) = strict(dA o Q K^T) (B30; Q K^T again, raw; after dq, whose
@@ -663,7 +744,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           CUTE_UNROLL
           for (int e = 0; e < size(accP2); ++e) {
             const int i = get<0>(cP(e)), j = get<1>(cP(e));
-            accP2(e) = j < i && i < len ? accD(e) * accP2(e) : 0.f;
+            accP2(e) = j < i ? accD(e) * accP2(e) : 0.f;  // (dA is 0 at rows past the end; Q K^T finite)
           }
           mbar_wait(qg_free, c & 1);
           float* sdA = reinterpret_cast<float*>(sm + Cfg::kD + kImgTokTok * 2);
@@ -703,7 +784,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             }
             {
               // Per column k of the thread (the accumulator's order, as GateFactors): 2^-ekb e^gamma_k
-              // and beta_k 2^-ek_k (0 past the end), formed once.
+              // and beta_k 2^-ek_k (0 past the end), formed once. X is finite (the stage's zeros) and
+              // 0 at rows past the end (dVb'' and dKb'' are), so the factors need no select.
               const float fv = pow2c(-evb), fk = pow2c(-ekb);
               float ck[16], cb[16];
               {
@@ -712,16 +794,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
                 for (int b = 0; b < 16; ++b) {
                   const int k = c0 + 8 * (b >> 1) + (b & 1);
                   ck[b] = fk * eg[k];
-                  cb[b] = k < len ? sBeta[k] * pow2c(-kexp[k]) : 0.f;
+                  cb[b] = sBeta[k] * pow2c(-kexp[k]);  // (sBeta is 0 past the end)
                 }
               }
-              const bool live[2] = {r0 < len, r0 + 8 < len};
               float m = 0.f;
               CUTE_UNROLL
               for (int e = 0; e < size(accX); ++e) {
                 const int b = 2 * (e >> 2) + (e & 1);
                 const float x = accX(e) * fv + accX2(e) * ck[b];
-                accX(e) = live[(e >> 1) & 1] && cb[b] != 0.f ? x * cb[b] : 0.f;  // (x may be NaN past the end)
+                accX(e) = x * cb[b];
                 m = fmaxf(m, fabsf(accX(e)));
               }
               const int ex = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
@@ -750,7 +831,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             CUTE_UNROLL
             for (int e = 0; e < size(accX); ++e) {
               const int i = get<0>(cX(e));
-              const float bi = i < len ? sBeta[i] : 0.f;
+              const float bi = sBeta[i];  // (0 past the end)
               accX2(e) *= accX(e);  // (dM is 0 where j >= i or i >= len)
               m = fmaxf(m, fabsf(accX(e) * bi));
               accX(e) *= bi;  // dMb = diag(beta) dM
@@ -773,7 +854,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               CUTE_UNROLL
               for (int e = 0; e < size(accX2); ++e) {
                 const int i = get<0>(cX(e));
-                accX2(e) *= i < len ? sBeta[i] : 0.f;
+                accX2(e) *= sBeta[i];
               }
               const float2 rs = rows_and_cols(accX2, sdK + kSdCols, wt);
               if ((wt & 3) == 0) {
@@ -852,57 +933,60 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       uint32_t beta_bits = 0;  // beta of token wt (chunks with dk), loaded early: written to sBeta after dK_d
       if (step_dk(c) && wt < len)
         beta_bits = load_bits(p.beta, p.b_dt, tile.b * p.sb[0] + (tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC + wt) * p.sb[1] + tile.hv);
-      mbar_wait(&full[c % kStages], sparity(c));
+      wait_stage(c, len);
       QLA_PHASE(0);
       QLA_PHASE(1);
       if (step_grads(c)) {
-        // Z = V - diag(e^gamma) K S (rows past the end zero), Z' = 2^ez Z (fp16) in the tile of U
+        // Z = V - diag(e^gamma) K S (rows past the end zero: v and k are), Z' = 2^ez Z (fp16) in the tile of U
         // once A's dP has read the last U''; U'' = 2^eu Tu' Z' = 2^(eu + et + ez) diag(2^-ek) U.
         const int gi = c - role.nwarm;
         mbar_wait(s_full, gi & 1);
         Tensor acc = partition_fragment_C(mmaY, Shape<_64, _128>{});
-        {
-          Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
-          Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
-          gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
-        }
-        if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
+        // Z' then U'' into U''s tile, one rolled loop sharing the unit and the store (the instruction
+        // cache, bwd-47).
         const TokDPairs pr(wt);
-        const uint32_t sV = smem_u32(stb + Cfg::kV);
         const float egr[2] = {gt.eg()[pr.r0], gt.eg()[pr.r0 + 8]};
-        float m = 0.f;
-        tokd_pairs(sV, wt, [&](int e, uint32_t bits) {  // (v's rows past the end are selected away: they may be NaN)
-          const int i = pr.row_of(e);
-          const float egi = egr[acc_half(e)];
-          const float2 v2 = unpack2<T>(bits);
-          acc(e) = i < len ? v2.x - egi * acc(e) : 0.f;
-          acc(e + 1) = i < len ? v2.y - egi * acc(e + 1) : 0.f;
-          m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
-        });
-        const int ez = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
-        if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
-        {
-          const float f = pow2c(ez);
+        int ez = 0, eu = 0;
+        #pragma unroll 1
+        for (int it = 0; it < 2; ++it) {
+          float m = 0.f;
+          if (it == 0) {
+            {
+              Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
+              Tensor rS = thrY.partition_fragment_B(tT(sm, Cfg::kS, QK_K{}));
+              gemm_sync(mmaY, rK, rS, acc, GMMA::ScaleOut::Zero);
+            }
+            if (!step_dk(c)) mbar_arrive(s_empty);  // K's read of S' is done (with dk: at the chunk's end)
+            tokd_pairs(smem_u32(stb + Cfg::kV), wt, [&](int e, uint32_t bits) {
+              const float egi = egr[acc_half(e)];
+              const float2 v2 = unpack2<T>(bits);
+              acc(e) = v2.x - egi * acc(e);
+              acc(e + 1) = v2.y - egi * acc(e + 1);
+              m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
+            });
+          } else {
+            Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
+            Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
+            gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
+            m = abs_max(acc);
+          }
+          const int eb = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (U'': its barrier: every product has read Z')
+          if (it == 0) {
+            ez = eb;
+            if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
+          } else {
+            eu = eb;
+          }
+          const float f = pow2c(eb);
           stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
-        }
-        fence_async_smem();
-        wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
-        {
-          Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
-          Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
-          gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
-        }
-        const int eu = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (its barrier: every product has read Z')
-        {
-          const float f = pow2c(eu);
-          stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
+          fence_async_smem();
+          if (it == 0) wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
         }
         if (wt == 0) misc[kMiscEut] = eu + gt.et() + ez;
-        fence_async_smem();
         mbar_arrive(u_ready);
       }
       QLA_PHASE(2);
-      {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: e^(Gamma - gamma) is 0 there, selected)
+      {  // Kd' = diag(e^(Gamma - gamma_j) 2^ek_j) K (zero past the end: k is)
         const TokDPairs pr(wt);
         const uint32_t sK = smem_u32(stb + Cfg::kK);
         float f[2];
@@ -914,8 +998,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         tokd_pairs(sK, wt, [&](int e, uint32_t bits) {
           const float2 k2 = unpack2<T>(bits);
           const float fh = f[acc_half(e)];
-          rKd(e) = H(fh != 0.f ? k2.x * fh : 0.f);
-          rKd(e + 1) = H(fh != 0.f ? k2.y * fh : 0.f);
+          rKd(e) = H(k2.x * fh);
+          rKd(e + 1) = H(k2.y * fh);
         });
       }
       // Pg''^T dO first: it does not wait for the chain (A forms Pg'' while S ends the last chunk).
@@ -963,34 +1047,36 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const float dvsc = pow2c(-(gt.et() + en + eu));
       if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
       const bool dv_out = role.out && c >= role.nwarm && dv;
-      if (dv_out && p.dv_tma && len == kC) {
-        // A full chunk: dv into a tile once S's product and every K warp's have read it (dU''s,
-        // or with dk W''s: dU' is read again), then two bulk tensor stores, whose reads of the
-        // tile end before the tile's next write. Partial chunks store from registers.
+      if (dv_out) {
+        // dv into a tile once S's product and every K warp's have read it (dU''s, or with dk W''s:
+        // dU' is read again); a full chunk then goes out by two bulk tensor stores, whose reads of
+        // the tile end before the tile's next write, a partial one by generic stores.
         const uint32_t stg = dkc ? Cfg::kW : Cfg::kDU;
         Tensor tStg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + stg)), typename LT::TokD_K{});
         mbar_wait(du_free, c & 1);
         wg_bar(kBarStepK);
         stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accV(e) * dvsc; });
-        fence_async_smem();
-        wg_bar(kBarStepK);
-        if (wt == 0) {
-          store_tile_boxes(&p.tmdv, sm + stg, tile.hv, static_cast<int>(tile.t0) + chunk_of(c) * kC, static_cast<int>(tile.b));
-          if (!dkc) bulk_wait_read();  // (with dk: before dW''' is written there)
-        }
-      } else if (dv_out) {
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
-        T* base = dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2];
-        const TokDPairs pr(wt);
-        CUTE_UNROLL
-        for (int e = 0; e < size(accV); e += 2) {
-          const int i = pr.row_of(e), v = pr.col_of(e);
-          if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.so[1] + v) = pack2<T>(accV(e) * dvsc, accV(e + 1) * dvsc);
+        if (p.dv_tma && len == kC) {
+          fence_async_smem();
+          wg_bar(kBarStepK);
+          if (wt == 0) {
+            store_tile_boxes(&p.tmdv, sm + stg, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
+            if (!dkc) bulk_wait_read();  // (with dk: before dW''' is written there)
+          }
+        } else {
+          wg_bar(kBarStepK);
+          store_tile_rows<T>(smem_u32(sm + stg), dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2], p.so[1],
+                             len, wt);
         }
       }
       QLA_PHASE(8);
       if (dkc) {
         // dk and dbeta (and dg with p.dg): the header's equations, from the tiles the chain has left.
+        // Rows past the end (a partial chunk) of dU', dW''', U'' and so of dVb, dKb and dK_d are exact
+        // zeros: role Z has zeroed q, k, v and dO's rows there, and the inverse kernel's T' and Tu'
+        // are finite there (it zeroes K's rows before K K^T); so their row factors (0 past the end)
+        // drop them without a select.
         const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
@@ -1020,47 +1106,39 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         fence_async_smem();
         wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
         QLA_PHASE(9);
-        // dVb = 2^-(ap + ek_i) T'^T dU' (rows < len): dbeta's first row dot; dVb'' over S' (every K
-        // warp's dW has read it: the barrier above).
+        // dVb = 2^-(ap + ek_i) T'^T dU' into dVb'' over S' (every K warp's dW has read it: the barrier
+        // above), then dKb = -2^-(ew + ap + ek_i) T'^T dW''' into dKb'' over dU' (once every K warp's
+        // dVb has read it), rows < len, in one rolled loop (the instruction cache, bwd-47). Their row
+        // dots <dVb_i, V_i> and e^gamma_i <dKb_i, K_i> are dbeta's first two (B31); beta_i times the
+        // second is a's.
         mbar_wait(tm_full, gi & 1);
-        Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
-        Tensor rW3 = thrV.partition_fragment_B(tH(sm, Cfg::kW, typename LH::DTok_MN{}));
-        gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), acc, GMMA::ScaleOut::Zero);
-        float fr[2];
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? pow2c(-ap - kexp[r0 + 8 * h]) : 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
-        float2 db = row_dot<T>(acc, smem_u32(stb + Cfg::kV), wt);
-        const int evb = kTileUnits<T> ? step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++)) : 0;
-        {
-          const float fv = pow2c(evb);
-          Tensor t = tile16(Cfg::kS);
-          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fv; });
-        }
-        // dKb = -2^-(ew + ap + ek_i) T'^T dW''' (rows < len): e^gamma_i <dKb_i, K_i> is dbeta's
-        // second row dot, beta_i times it a's (B31); dKb'' over dU' (every K warp's dVb has read
-        // it: evb's barrier).
-        gemm_sync(mmaV, rTt, rW3, acc, GMMA::ScaleOut::Zero);
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? -pow2c(-ew - ap - kexp[r0 + 8 * h]) : 0.f;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); ++e) acc(e) = fr[acc_half(e)] != 0.f ? acc(e) * fr[acc_half(e)] : 0.f;
-        float2 kb;  // <dK_b_i, K_i>
-        {
-          const float2 d2 = row_dot<T>(acc, smem_u32(stb + Cfg::kK), wt);
-          const float g0 = r0 < len ? eg[r0] * d2.x : 0.f, g1 = r0 + 8 < len ? eg[r0 + 8] * d2.y : 0.f;
+        float2 db = make_float2(0.f, 0.f), kb = db;  // kb: <dK_b_i, K_i>
+        int evb = 0, ekb = 0;
+        #pragma unroll 1
+        for (int it = 0; it < 2; ++it) {
+          {
+            Tensor rTt = thrV.partition_fragment_A(tH(sm, Cfg::kD, typename LH::TokTok_MN{}));
+            gemm_sync(mmaV, rTt, thrV.partition_fragment_B(tH(sm, it ? Cfg::kW : Cfg::kDU, typename LH::DTok_MN{})), acc,
+                      GMMA::ScaleOut::Zero);
+          }
+          const int eo = it ? -ew - ap : -ap;
+          float fr[2];
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) fr[h] = r0 + 8 * h < len ? (it ? -1.f : 1.f) * pow2c(eo - kexp[r0 + 8 * h]) : 0.f;
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc); ++e) acc(e) *= fr[acc_half(e)];  // (rows past the end: exact zeros, see dk's note)
+          const float2 d2 = row_dot<T>(acc, smem_u32(stb + (it ? Cfg::kK : Cfg::kV)), wt);
+          const float g0 = r0 < len ? (it ? eg[r0] : 1.f) * d2.x : 0.f, g1 = r0 + 8 < len ? (it ? eg[r0 + 8] : 1.f) * d2.y : 0.f;
           db.x += g0;
           db.y += g1;
-          kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
-        }
-        int ekb = 0;
-        if constexpr (kTileUnits<T>) ekb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
-        else wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
-        {
-          const float fk = pow2c(ekb);
-          Tensor t = tile16(Cfg::kDU);
-          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fk; });
+          if (it) kb = make_float2(r0 < len ? sBeta[r0] * g0 : 0.f, r0 + 8 < len ? sBeta[r0 + 8] * g1 : 0.f);
+          int eb = 0;
+          if constexpr (kTileUnits<T>) eb = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
+          else if (it) wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
+          if (it) ekb = eb; else evb = eb;
+          const float fb = pow2c(eb);
+          Tensor t = tile16(it ? Cfg::kDU : Cfg::kS);
+          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fb; });
         }
         // For A's X block (dL, dM and dMb''): dVb'' and dKb'', their units, beta (sBeta), and with dg
         // K's <dK_b, K> rows in sdK (kSdK's layout).
@@ -1078,48 +1156,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_arrive(vkb_ready);
         QLA_PHASE(10);
         QLA_PHASE(11);
-        // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (columns < len; fp16) into the stage's Tu' slot
-        // (Tu''s last reader, K's dv, is done), so that dK_b = -2^-(ew + ap + ub) Tb''^T dW'''
-        // accumulates with dk's other terms. A thread's four 16-byte runs (rows wt / 8 + 16 r) hold
-        // the same eight columns (the swizzle moves a run by the row's low bits, equal for all four).
-        int ub;
-        {
-          const uint32_t src = smem_u32(sm + Cfg::kD), dst = smem_u32(stb + Cfg::kTu);
-          const int col0 = 8 * ((wt & 7) ^ ((wt >> 3) & 7));
-          float cf[8];
-          CUTE_UNROLL
-          for (int q = 0; q < 8; ++q) {
-            const int i = col0 + q;
-            cf[q] = i < len ? sBeta[i] * eg[i] * pow2c(-kexp[i]) : 0.f;
-          }
-          uint4 u[4];
-          float m = 0.f;
-          CUTE_UNROLL
-          for (int r = 0; r < 4; ++r) {
-            u[r] = lds_u128(src + 16u * (wt + 128 * r));
-            const uint32_t* pu = &u[r].x;
-            CUTE_UNROLL
-            for (int q = 0; q < 4; ++q) {
-              const float2 f = unpack2<H>(pu[q]);
-              m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
-            }
-          }
-          ub = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));
-          const float fu = pow2c(ub);
-          CUTE_UNROLL
-          for (int r = 0; r < 4; ++r) {
-            uint32_t* pu = &u[r].x;
-            CUTE_UNROLL
-            for (int q = 0; q < 4; ++q) {
-              const float2 f = unpack2<H>(pu[q]);
-              const float c0 = cf[2 * q] * fu, c1 = cf[2 * q + 1] * fu;
-              pu[q] = pack2<H>(c0 != 0.f ? f.x * c0 : 0.f, c1 != 0.f ? f.y * c1 : 0.f);
-            }
-            sts128(dst + 16u * (wt + 128 * r), u[r]);
-          }
-        }
-        fence_async_smem();
-        wg_bar(kBarStepK);  // dMb'' and Tb'' written (and, with dg, the row and column partials of R_L)
+        // Tb'' (S's, in its wait for the next dSn'; see form_tb) for dK_b below, and its unit ub.
         QLA_PHASE(12);
         // dk in one accumulator, changing units by powers of two between the terms:
         // dK_d = diag(e^(Gamma - gamma) 2^ek) 2^-(eut + en) U'' dSn'^T first (then dSn' is free
@@ -1134,13 +1171,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         mbar_arrive(dsn_free);
         {
           const int eut = misc[kMiscEut];
+          float fr[2];
           CUTE_UNROLL
           for (int h = 0; h < 2; ++h) {
             const int j = r0 + 8 * h;
             fr[h] = j < len ? gt.egk()[j] * pow2c(kexp[j] - eut - en) : 0.f;
           }
           CUTE_UNROLL
-          for (int e = 0; e < size(accDK); ++e) accDK(e) = fr[acc_half(e)] != 0.f ? accDK(e) * fr[acc_half(e)] : 0.f;
+          for (int e = 0; e < size(accDK); ++e) accDK(e) *= fr[acc_half(e)];  // (rows past the end: exact zeros)
         }
         if (p.dg) {
           const float2 x = row_dot<T>(accDK, smem_u32(stb + Cfg::kK), wt);
@@ -1149,7 +1187,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             sdK[kSdX + r0 + 8] = r0 + 8 < len ? x.y : 0.f;
           }
         }
-        const int u1 = ew + ap + ub;
+        mbar_wait(tb_ready, gi & 1);  // S's Tb'' and ub
+        const int u1 = ew + ap + misc[kMiscUb];
         {
           const float f = -pow2c(u1);
           CUTE_UNROLL
@@ -1167,8 +1206,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
         }
-        // dA''^T Q, then dMb'' K + dMb''^T K once A's X block is done. With bf16 tiles (no units: em =
-        // ea = 0) the three products accumulate in one batch: dA^T Q runs while K waits for mb_ready.
+        // dA''^T Q, then dMb'' K + dMb''^T K once A's X block is done. dA^T Q's batch is waited for
+        // before the mbarrier wait for every type: with a batch open across the wait (bf16, no units),
+        // ptxas put a warpgroup.arrive in a divergent path and serialized every wgmma of the step (C7520).
         Tensor rQt = thrG.partition_fragment_B(tT(stb, Cfg::kQ, typename LT::DTok_MN{}));
         Tensor rA = thrTW.partition_fragment_A(tileTT(kMb));
         Tensor rA2 = thrG.partition_fragment_A(tT(sm, kMb, typename LT::TokTok_MN{}));
@@ -1177,11 +1217,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         warpgroup_fence_operand(accDK);
         warpgroup_arrive();
         gemm_k(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rQt, accDK, GMMA::ScaleOut::One);
-        if constexpr (kTileUnits<T>) {
-          warpgroup_commit_batch();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(accDK);
-        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accDK);
         mbar_wait(mb_ready, gi & 1);  // A's dMb'' (over dVb''), em and its rows
         const int em = misc[kMiscEm];
         db.x += sdK[kSdRr + r0];  // A's <dM K, K> rows
@@ -1190,9 +1228,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           const float f = pow2c(em - ea);
           CUTE_UNROLL
           for (int e = 0; e < size(accDK); ++e) accDK(e) *= f;
-          warpgroup_fence_operand(accDK);
-          warpgroup_arrive();
         }
+        warpgroup_fence_operand(accDK);
+        warpgroup_arrive();
         gemm_k(mmaTW, rA, rB, accDK, GMMA::ScaleOut::One);
         gemm_k(mmaG, rA2, rB2, accDK, GMMA::ScaleOut::One);
         warpgroup_commit_batch();
@@ -1203,27 +1241,25 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const float dg_a = p.dg && wt < kC ? reinterpret_cast<const float*>(sm + Cfg::kD + kImgTokTok * 2)[wt] : 0.f;
         mbar_arrive(&empty[c % kStages]);  // K's last read of the stage: P loads the next chunk under dk's stores and dg
         QLA_PHASE(14);
-        // dk (per value head; rows < len) and dbeta out: a full chunk's dk into dU''s tile (its
-        // last reader, the X product, is done), then two bulk tensor stores, whose reads end before
-        // K writes the next dU' there (bulk_wait_read before eu's barrier); partial chunks from
-        // registers.
+        // dk (per value head; rows < len) and dbeta out: dk into dU''s tile (its last reader, the X
+        // product, is done); a full chunk then goes out by two bulk tensor stores, whose reads end
+        // before K writes the next dU' there (bulk_wait_read before eu's barrier), a partial one by
+        // generic stores.
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
-        if (p.dk_tma && len == kC) {
+        {
           const float f = pow2c(-em);
           Tensor tStg = tile16(Cfg::kDU);
           stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accDK(e) * f; });
+        }
+        if (p.dk_tma && len == kC) {
           fence_async_smem();
           wg_bar(kBarStepK);
           if (wt == 0) store_tile_boxes(&p.tmdk, sm + Cfg::kDU, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
         } else {
-          const float f = pow2c(-em);
-          T* base = static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2];
-          const TokDPairs pr(wt);
-          CUTE_UNROLL
-          for (int e = 0; e < size(accDK); e += 2) {
-            const int i = pr.row_of(e), d = pr.col_of(e);
-            if (i < len) *reinterpret_cast<uint32_t*>(base + i * p.sdk[1] + d) = pack2<T>(accDK(e) * f, accDK(e + 1) * f);
-          }
+          wg_bar(kBarStepK);
+          store_tile_rows<T>(smem_u32(sm + Cfg::kDU),
+                             static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2], p.sdk[1],
+                             len, wt);
         }
         if ((wt & 3) == 0) {
           const int64_t bo = tile.b * p.sdb[0] + static_cast<int64_t>(tile.hv);
@@ -1263,7 +1299,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       }
       QLA_PHASE(15);
     }
-    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, -, Tb'', dK_d dK_b, wait dMb'' + dA^T Q dM K, out)", 16, nch);
+    QLA_PHASES_PRINT("step K (wait, -, S' + Z + U'', Kd' + wait Pg'', Pg''^T dO, wait dSn', Kd' dSn', dU' max + store, dv, dW, dVb dKb, -, -, dK_d + wait Tb'' + dK_b, wait dMb'' + dA^T Q dM K, out)", 16, nch);
     if (wt == 0 && (p.dv_tma || p.dk_tma)) bulk_wait_all();  // dv's and dk's bulk stores performed before the CTA ends
     return;
   }
@@ -1326,7 +1362,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     uint8_t* stb = stage(c);
     const StepGates gt(stb);
     const int len = chunk_len(c);
-    mbar_wait(&full[c % kStages], sparity(c));
+    wait_stage(c, len);
     QLA_PHASE(0);
     // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
     // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
@@ -1335,7 +1371,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     {
       const float* egv = gt.eg();
       const float sc = p.scale * pow2c(eg);
-      scale_rows<T, H>(smem_u32(stb + Cfg::kQ), smem_u32(sm + Cfg::kQg), len, wt, [&](int row) { return egv[row] * sc; });
+      scale_rows<T, H>(smem_u32(stb + Cfg::kQ), smem_u32(sm + Cfg::kQg), wt, [&](int row) { return egv[row] * sc; });
     }
     // D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows, once
     // A's dP has read the last one.
@@ -1346,20 +1382,17 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       float m = 0.f;
       #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
       for (int r = 0; r < 8; ++r) {
-        const uint32_t b = run_byte(wt, r);
-        if (run_row(b) < len) {
-          const uint4 u = lds_u128(src + b);
-          const uint32_t* pu = &u.x;
-          CUTE_UNROLL
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = unpack2<T>(pu[i]);
-            m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-          }
+        const uint4 u = lds_u128(src + run_byte(wt, r));  // (rows past the end: zeros)
+        const uint32_t* pu = &u.x;
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack2<T>(pu[i]);
+          m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
         }
       }
       ed = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
       const float sc = pow2c(ed);
-      scale_rows<T, H>(src, dst, len, wt, [&](int) { return sc; });
+      scale_rows<T, H>(src, dst, wt, [&](int) { return sc; });
     }
     if (wt == 0) misc[kMiscEd] = ed;
     fence_async_smem();
@@ -1381,13 +1414,24 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(du_free);
     a = au;
     QLA_PHASE(4);
+    if (step_dk(c)) {
+      // K's Tb'', here while S waits for K's dK_d to free dSn' (K's tail is the step's longest
+      // path): once K has written beta and its dv has read Tu' (vkb_ready) and T' is in (tm_full).
+      const int gi = c - role.nwarm;
+      mbar_wait(vkb_ready, gi & 1);
+      mbar_wait(tm_full, gi & 1);
+      form_tb(smem_u32(sm + Cfg::kD), smem_u32(stb + Cfg::kTu), reinterpret_cast<const float*>(sm + Cfg::kBeta), gt.eg(), gt.kexp(),
+              fmisc + kMiscRedS, wt, flip++, misc + kMiscUb);
+      fence_async_smem();
+      mbar_arrive(tb_ready);
+    }
     if (c + 1 < nch) {
       mbar_wait(dsn_free, c & 1);  // K's reads of this chunk's dSn' (Kd' dSn', dK_d) are done
       publish_dsn();
     }
     QLA_PHASE(5);
   }
-  QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', dSn' max + store)", 6, nch);
+  QLA_PHASES_PRINT("step S (wait, Qg' + D', D'^T Qg', wait dU' + W', dU'^T W', Tb'' + dSn' max + store)", 6, nch);
   // d(initial state), or (pass 0) the gradient entering the piece into the slot before its own.
   {
     float* maps = role.end == kEndMaps ? map_at(p, tile.map - 1, tile.hv) : nullptr;
