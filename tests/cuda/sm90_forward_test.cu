@@ -3,7 +3,8 @@
 // Build (until the CMake target exists), from the repository root:
 //   CUTE=$(python3 -c "import cutlass_library,os;print(os.path.join(os.path.dirname(cutlass_library.__file__),'source','include'))")
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr [-DQLA_SM90_TEST_HOOKS] \
-//        -Iinclude -I$CUTE src/sm90/gdn_fwd_sm90.cu tests/cuda/sm90_forward_test.cu -o sm90_forward_test
+//        -Iinclude -I$CUTE src/sm90/gdn_fwd_sm90.cu [src/sm90/gdn_bwd_sm90.cu: with the hooks] tests/cuda/sm90_forward_test.cu \
+//        -o sm90_forward_test
 // (on the device machine CUTE=.cutlass_include). Run: ./sm90_forward_test [--bench]
 // [--inverse] [--inverse-bench] [--profile ROW]. --inverse (hooks only) checks the fused forward's
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
@@ -1575,10 +1576,14 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
     tf[vt] = median_ms(stream, 20, [&] { (void)run_reverse(D, 64 << vt, frags); });
   }
   CK(cudaFree(frags));
-  double tstep = 0, tstep_dk = 0;  // the reverse step alone (fused_step.cuh), after a states pass: chain, dv, dq; + dk, dbeta
+  double tstep = 0, tstep_dk = 0, tstates = 0;  // the reverse step alone (fused_step.cuh), after a states pass: chain, dv, dq; + dk, dbeta
   {
     StepBuffers b(P, c, D);
     qla::Status s = b.states(D);
+    if (s.ok()) {
+      CK(cudaStreamSynchronize(stream));
+      tstates = median_ms(stream, 20, [&] { (void)b.states(D); });  // (table, inverse with T', states pass: the step's inputs)
+    }
     qla::sm90::set_test_reverse_maps_ready(1);
     auto step = [&] { return qla::sm90::test_run_fused_step(D.p, D.p.v, D.p.initial_state, b.dh0, b.dvr, b.simg, b.dqr); };
     auto step_dk = [&] { return b.run(D); };
@@ -1593,16 +1598,46 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
     }
     qla::sm90::set_test_reverse_maps_ready(0);
   }
+  // The library's backward (qla::sm90::backward, what a user's call runs after validation) on the same inputs and
+  // incoming gradients (dO = v, d(final state) = h0, as the step's rows): the bar the step plus its
+  // states pass has to pass before the library takes them.
+  double tlib = 0;
+  {
+    StepBuffers o(P, c, D);  // (its per-value-head dq and dk hold the library's group sums)
+    qla::GdnBackwardParams bp;
+    bp.shape = D.p.shape;
+    bp.q = D.p.q, bp.k = D.p.k, bp.v = D.p.v, bp.g = D.p.g, bp.beta = D.p.beta;
+    bp.initial_state = D.p.initial_state;
+    bp.cu_seqlens = D.p.cu_seqlens, bp.num_seqs = D.p.num_seqs, bp.cu_seqlens_host = D.p.cu_seqlens_host;
+    bp.d_o = D.p.v;
+    bp.d_final_state = D.p.initial_state;
+    bp.dv = o.dvr, bp.dg = o.dgr, bp.dbeta = o.dbr;
+    bp.dq = o.dqr, bp.dk = o.dkr;
+    for (qla::MutTensorRef* r : {&bp.dq, &bp.dk}) r->stride[0] = P.c.T * c.H * K, r->stride[1] = c.H * K, r->stride[2] = K;
+    bp.scale = D.p.scale, bp.state_layout = D.p.state_layout;
+    bp.device = qla::Device::kCuda, bp.stream = stream;
+    size_t ws = 0;
+    qla::Status s = qla::sm90::backward_workspace_size(bp, &ws);  // (the backend directly: test builds link no api.cpp)
+    void* wsp = nullptr;
+    if (s.ok()) CK(cudaMalloc(&wsp, std::max<size_t>(ws, 1)));
+    bp.workspace = wsp, bp.workspace_bytes = ws;
+    if (s.ok()) s = qla::sm90::backward(bp);
+    CK(cudaStreamSynchronize(stream));
+    if (s.ok()) tlib = median_ms(stream, 20, [&] { (void)qla::sm90::backward(bp); });
+    else std::printf("bench reverse library backward %s: %s\n", c.name.c_str(), s.message().c_str());
+    CK(cudaFree(wsp));
+  }
   void* regions = nullptr;  // the inverse kernel alone, into its own buffer
   CK(cudaMalloc(&regions, std::max<int64_t>(1, P.c.B * chunks + P.N) * c.HV * qla::sm90::test_inverse_region_bytes()));
   const double tinv = median_ms(stream, 20, [&] { (void)qla::sm90::test_run_inverse(D.p, regions); });
   CK(cudaFree(regions));
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: V64 %8.1f us, V128 %8.1f (table + inverse ~%6.1f; chain "
               "%.2f / %.2f us per chunk; storing the fragments: V64 %8.1f, V128 %8.1f); step (chain, dv, dq; alone) "
-              "%8.1f us, %.2f per chunk; step with dk, dg, dbeta %8.1f us\n", c.name.c_str(), (long long)P.N,
+              "%8.1f us, %.2f per chunk; step with dk, dg, dbeta %8.1f us; states pass %8.1f us; library backward %8.1f us\n",
+              c.name.c_str(), (long long)P.N,
               (long long)P.c.T, (long long)c.H, (long long)c.HV, t[0] * 1e3, t[1] * 1e3, tinv * 1e3,
               (t[0] - tinv) * 1e3 / double(chunks), (t[1] - tinv) * 1e3 / double(chunks), tf[0] * 1e3, tf[1] * 1e3,
-              tstep * 1e3, tstep * 1e3 / double(chunks), tstep_dk * 1e3);
+              tstep * 1e3, tstep * 1e3 / double(chunks), tstep_dk * 1e3, tstates * 1e3, tlib * 1e3);
   free_dev(D);
 }
 #endif
