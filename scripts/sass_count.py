@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("binary", help="an executable, shared library or cubin with sm_90a SASS")
     ap.add_argument("--filter", default="", help="regular expression on the mangled kernel name")
     ap.add_argument("--source", help="source file of the kernel: counts by role and phase (needs -lineinfo)")
+    ap.add_argument("--check-serialized", action="store_true",
+                    help="exit 1 if a matched kernel's wgmma are serialized (ctest sm90_wgmma_batched runs this)")
     args = ap.parse_args()
     tool = find_cuobjdump(find_nvcc() or "")
     if not tool:
@@ -73,9 +75,14 @@ def main() -> int:
     for n, (ins, regs, stack) in rows:
         print(f"{ins:12d} {ins * 16 / 1024:6.1f} {regs:5d} {stack:8d}  {n}")
     sass = subprocess.run([tool, "-sass", args.binary], capture_output=True, text=True, check=True).stdout
-    for k in serialized_wgmma_kernels(sass):
-        if re.search(args.filter, k):
-            print(f"SERIALIZED wgmma (an arrive before every HGMMA): {k}")
+    serialized = [k for k in serialized_wgmma_kernels(sass) if re.search(args.filter, k)]
+    for k in serialized:
+        print(f"SERIALIZED wgmma (an arrive before every HGMMA): {k}")
+    if args.check_serialized:
+        if not any("HGMMA" in line for line in sass.splitlines()):
+            print("no HGMMA in the binary: nothing to check (not an sm_90a build?)", file=sys.stderr)
+            return 1
+        return 1 if serialized else 0
     if args.source:
         if len(rows) != 1:
             print("--source needs --filter to match one kernel", file=sys.stderr)
