@@ -43,14 +43,17 @@ def by_kernel(text: str, header: str):
             yield name, line
 
 
-def kernels(tool: str, path: str) -> dict:
-    """{mangled name: [instructions, registers, stack frame bytes]}"""
-    dump = lambda flag: subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+def dump(tool: str, flag: str, path: str) -> str:
+    return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def kernels(tool: str, path: str, sass: str) -> dict:
+    """{mangled name: [instructions, registers, stack frame bytes]} (sass: the binary's -sass dump)"""
     out = {}
-    for name, line in by_kernel(dump("-sass"), r"\s*Function : (\S+)"):
+    for name, line in by_kernel(sass, r"\s*Function : (\S+)"):
         out.setdefault(name, [0, 0, 0])
         out[name][0] += bool(re.match(r"\s+/\*[0-9a-f]+\*/\s+\S", line))
-    for name, line in by_kernel(dump("-res-usage"), r"\s*Function (\S+):"):
+    for name, line in by_kernel(dump(tool, "-res-usage", path), r"\s*Function (\S+):"):
         m = re.search(r"REG:(\d+).*?STACK:(\d+)", line)
         if name in out and m:
             out[name][1:] = [int(m.group(1)), int(m.group(2))]  # (spills live in the stack frame)
@@ -69,12 +72,12 @@ def main() -> int:
     if not tool:
         print("cuobjdump not found (PATH, beside nvcc, or Triton's package)", file=sys.stderr)
         return 2
-    rows = [(n, v) for n, v in kernels(tool, args.binary).items() if re.search(args.filter, n)]
+    sass = dump(tool, "-sass", args.binary)
+    rows = [(n, v) for n, v in kernels(tool, args.binary, sass).items() if re.search(args.filter, n)]
     rows.sort(key=lambda r: -r[1][0])
     print(f"{'instructions':>12} {'KiB':>6} {'regs':>5} {'stack B':>8}  kernel")
     for n, (ins, regs, stack) in rows:
         print(f"{ins:12d} {ins * 16 / 1024:6.1f} {regs:5d} {stack:8d}  {n}")
-    sass = subprocess.run([tool, "-sass", args.binary], capture_output=True, text=True, check=True).stdout
     serialized = [k for k in serialized_wgmma_kernels(sass) if re.search(args.filter, k)]
     for k in serialized:
         print(f"SERIALIZED wgmma (an arrive before every HGMMA): {k}")
