@@ -4,10 +4,11 @@
 //      V tile of 32); stores dSn (the gradient of the state leaving each chunk) and -dU.
 //   5. gdn_bwd_grads:   chunk-parallel, one CTA per (chunk, value head): dv, dbeta, dg, and
 //      per-value-head fp32 partials of dq and dk.
-//   6. gdn_bwd_finish:  dq, dk = sums of the partials over each value-head group; NaN outputs
-//      when the device cu_seqlens are malformed.
+//   6. gdn_bwd_finish (bwd_finish.cuh): dq, dk = sums of the partials over each value-head
+//      group; NaN outputs when the device cu_seqlens are malformed.
 #pragma once
 
+#include "bwd_finish.cuh"
 #include "common.cuh"
 #include "recurrence.cuh"
 
@@ -815,77 +816,6 @@ __global__ void __launch_bounds__(256, 1) gdn_bwd_grads(const __grid_constant__ 
     for (int i = tid; i < kC; ++i) s += sA[i];
     for (int i = 0; i < tid; ++i) s += sXr[i];
     store_f(p.dg, p.dg_dt, b * p.sdg[0] + (t0 + tid) * p.sdg[1] + hv, s);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// 6. dq, dk: sums of the fp32 partials over each value-head group, in the dtype of q; NaN in
-//    every output when the device cu_seqlens are malformed (off[N + 1] set by the chunk table).
-// ---------------------------------------------------------------------------------------------
-struct FinishParams {
-  const float *dqp, *dkp;
-  void *dq, *dk;
-  int64_t sdq[3], sdk[3];
-  int64_t B, T;
-  int H, HV, N;
-  const int* chunk_off;
-  // NaN fill targets
-  void* dv;
-  int64_t sdv[3];
-  void* dg;
-  int64_t sdg[2];
-  int dg_dt;
-  void* dbeta;
-  int64_t sdb[2];
-  int db_dt;
-  float* dh0;
-  int64_t sdh0[3];
-};
-
-template <class T>
-__global__ void __launch_bounds__(256) gdn_bwd_finish(const __grid_constant__ FinishParams p) {
-  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int G = p.HV / p.H;
-  const bool bad = p.chunk_off[p.N + 1] != 0;
-  const float nan = __int_as_float(0x7fc00000);
-  // dq, dk: 4 consecutive d per thread.
-  const int64_t nq = p.B * p.T * p.H * (kDK / 4);
-  for (int64_t i = first; i < nq; i += nthreads) {
-    const int64_t d4 = (i % (kDK / 4)) * 4, h = (i / (kDK / 4)) % p.H, bt = i / (kDK / 4) / p.H;
-    const int64_t bb = bt / p.T, t = bt % p.T;
-    float4 sq = make_float4(0.f, 0.f, 0.f, 0.f), sk = sq;
-    for (int gi = 0; gi < G; ++gi) {
-      const int64_t src = (bt * p.HV + h * G + gi) * kDK + d4;
-      const float4 a = *reinterpret_cast<const float4*>(p.dqp + src);
-      const float4 c = *reinterpret_cast<const float4*>(p.dkp + src);
-      sq.x += a.x; sq.y += a.y; sq.z += a.z; sq.w += a.w;
-      sk.x += c.x; sk.y += c.y; sk.z += c.z; sk.w += c.w;
-    }
-    if (bad) sq = sk = make_float4(nan, nan, nan, nan);
-    T* q = static_cast<T*>(p.dq) + bb * p.sdq[0] + t * p.sdq[1] + h * p.sdq[2] + d4;
-    T* k = static_cast<T*>(p.dk) + bb * p.sdk[0] + t * p.sdk[1] + h * p.sdk[2] + d4;
-    *reinterpret_cast<uint2*>(q) = make_uint2(pack2<T>(sq.x, sq.y), pack2<T>(sq.z, sq.w));
-    *reinterpret_cast<uint2*>(k) = make_uint2(pack2<T>(sk.x, sk.y), pack2<T>(sk.z, sk.w));
-  }
-  if (!bad) return;
-  const int64_t nv = p.B * p.T * p.HV * kDV;
-  for (int64_t i = first; i < nv; i += nthreads) {
-    const int64_t v = i % kDV, h = (i / kDV) % p.HV, bt = i / kDV / p.HV;
-    static_cast<T*>(p.dv)[(bt / p.T) * p.sdv[0] + (bt % p.T) * p.sdv[1] + h * p.sdv[2] + v] = T(nan);
-  }
-  const int64_t ng = p.B * p.T * p.HV;
-  for (int64_t i = first; i < ng; i += nthreads) {
-    const int64_t h = i % p.HV, bt = i / p.HV;
-    store_f(p.dg, p.dg_dt, (bt / p.T) * p.sdg[0] + (bt % p.T) * p.sdg[1] + h, nan);
-    store_f(p.dbeta, p.db_dt, (bt / p.T) * p.sdb[0] + (bt % p.T) * p.sdb[1] + h, nan);
-  }
-  if (p.dh0) {
-    const int64_t nh = static_cast<int64_t>(p.N) * p.HV * kDK * kDV;
-    for (int64_t i = first; i < nh; i += nthreads) {
-      const int64_t j = i % (kDK * kDV), h = (i / (kDK * kDV)) % p.HV, n = i / (kDK * kDV * p.HV);
-      p.dh0[n * p.sdh0[0] + h * p.sdh0[1] + (j / kDV) * p.sdh0[2] + j % kDV] = nan;
-    }
   }
 }
 

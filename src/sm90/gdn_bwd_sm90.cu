@@ -240,8 +240,9 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
   {  // 6. dq, dk group sums
     FinishParams fp{};
-    fp.dqp = reinterpret_cast<const float*>(ws + wl.dqp);
-    fp.dkp = reinterpret_cast<const float*>(ws + wl.dkp);
+    fp.dqp = ws + wl.dqp;
+    fp.dkp = ws + wl.dkp;
+    fp.partial_bytes = 4;
     fp.dq = p.dq.data;
     fp.dk = p.dk.data;
     for (int i = 0; i < 3; ++i) {
@@ -275,11 +276,21 @@ Status bwd_launch(const GdnBackwardParams& p) {
 // invariance (a choice by the call's pair count would let the rest of the batch pick the path).
 // The chunked backward elsewhere, until the fused one is faster everywhere.
 constexpr int64_t kFusedBwdMaxPairs = 16;
+#ifdef QLA_SM90_TEST_HOOKS
+int g_test_bwd_path = 0;  // test builds: 1 the chunked backward, 2 the fused one, 0 the rule below
+#endif
 bool fused_backward_chosen(const GdnBackwardParams& p) {
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_bwd_path) return g_test_bwd_path == 2;
+#endif
   return p.split == SplitMode::kOn || p.batch_invariant || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
 }
 
 }  // namespace
+
+#ifdef QLA_SM90_TEST_HOOKS
+void set_test_backward_path(int path) { g_test_bwd_path = path; }
+#endif
 
 Status prepare_backward() {
   DeviceInfo* dinfo = nullptr;

@@ -54,6 +54,7 @@
 #include "fused_reverse.cuh"  // the fused backward's reverse chain
 #include "chunk_grads.cuh"    // the fused backward's gradients kernel
 #include "fused_step.cuh"     // the fused backward's reverse step (chain and gradients in one CTA)
+#include "bwd_finish.cuh"     // the backward's dq, dk group sums
 
 namespace qla {
 namespace sm90 {
@@ -280,12 +281,17 @@ Status prepare_kernels(DeviceInfo* dinfo) {
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
   // The fused backward's (its states pass runs the kernels above).
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
+               "cudaFuncSetAttribute(gdn_bwd_fused_step)");
+#ifdef QLA_SM90_TEST_HOOKS
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)RevCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
                "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
+#endif
   cudaFuncAttributes attr;
+  QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_bwd_finish<T>), "cudaFuncGetAttributes(gdn_bwd_finish)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_fwd_scan), "cudaFuncGetAttributes(gdn_fwd_scan)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_bwd_scan), "cudaFuncGetAttributes(gdn_bwd_scan)");
@@ -589,18 +595,21 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 // The fused backward (docs/backward.md section 10), here beside the forward's kernels it runs.
 // Three steps on p.stream, no host synchronisation (graph-capturable):
 //   1. the states pass: the forward's launch with a StatesPass (chunk table, the inverse kernel
-//      with the T' images, the lean kernel storing each chunk's entering state S' as fragments),
-//      split as the forward splits (its warm-up path only where the reverse chain's is taken
+//      with the T' images, the lean kernel storing each chunk's entering state as the image S'),
+//      split as the forward splits (its warm-up path only where the reverse step's is taken
 //      too, its exact path with every piece's transfer map elsewhere);
-//   2. the reverse chain (fused_reverse.cuh): each (sequence, value head, V tile of 64) from
-//      d(final state) back to d(initial state), storing dSn' and dU' as fragments; split, per
-//      (sequence, value head): the warm-up mirror where the chunks after every boundary decay
-//      (one pass, each piece from its warm-up), else the exact path: pass 0 (pieces 1 .. np - 1
-//      alone), gdn_bwd_scan (the gradient crossing the pieces by the transposed maps), pass 1
-//      (every piece, with the fragments);
-//   3. the gradients kernel (chunk_grads.cuh): per (chunk, q/k head), dq, dk, dv, dg, dbeta.
-// Workspace: the forward's layout for its plan, then T' (8 KiB) and the fragments
-// (kFragRegionBytes) per (chunk, value head).
+//   2. the reverse step (fused_step.cuh): each (sequence, value head) from d(final state) back
+//      to d(initial state), forming every gradient of each chunk it leaves; split, per (sequence,
+//      value head): the warm-up mirror where the chunks after every boundary decay (one pass,
+//      each piece from its warm-up), else the exact path: pass 0 (pieces 1 .. np - 1 alone),
+//      gdn_bwd_scan (the gradient crossing the pieces by the transposed maps), pass 1 (every
+//      piece, with the gradients);
+//   3. gdn_bwd_finish (bwd_finish.cuh): dq, dk summed over each value-head group from the
+//      step's per-value-head partials (none where a group is one value head: the step writes
+//      dq, dk in place), NaN in every output on malformed device cu_seqlens.
+// Workspace: the forward's layout for its plan, then T' (8 KiB) and S' (kSImgBytes) per (chunk,
+// value head), and with groups of several value heads the dq, dk partials (input type, 2 x 256
+// bytes per token and value head).
 // ---------------------------------------------------------------------------------------------
 
 // The states pass's forward params (no o, no final state).
@@ -632,7 +641,8 @@ GdnForwardParams states_params(const GdnBackwardParams& b) {
 struct BwdLayout {
   SplitChoice sc;  // the split model's plan for the fused kernels (forward_choice, fused_only)
   WsLayout fwd;    // its workspace, at the start
-  size_t tm = 0, frags = 0, total = 0;
+  size_t tm = 0, simg = 0, dqp = 0, dkp = 0, total = 0;
+  bool partials = false;  // dq, dk per value head into dqp, dkp (groups of several value heads)
 };
 BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
@@ -640,9 +650,14 @@ BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   l.sc = forward_choice(f, sms, /*fused_only=*/true);
   l.fwd = ws_layout(f, l.sc);
   const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
+  const size_t part = static_cast<size_t>(f.shape.batch) * static_cast<size_t>(f.shape.seqlen) *
+                      static_cast<size_t>(f.shape.num_v_heads) * kDK * 2;
+  l.partials = f.shape.num_v_heads != f.shape.num_qk_heads;
   l.tm = up(l.fwd.total);
-  l.frags = l.tm + up(nreg * kImgTokTok * 2);
-  l.total = l.frags + nreg * kFragRegionBytes;
+  l.simg = l.tm + up(nreg * kImgTokTok * 2);
+  l.dqp = l.simg + up(nreg * kSImgBytes);
+  l.dkp = l.dqp + (l.partials ? up(part) : 0);
+  l.total = l.dkp + (l.partials ? part : 0);
   return l;
 }
 
@@ -835,13 +850,51 @@ Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, co
   if (!s.ok()) return s;
   uint8_t* ws = static_cast<uint8_t*>(f.workspace);
   StatesPass sp;
-  sp.frags = ws + bl.frags;
   sp.tm = ws + bl.tm;
+  sp.simg = ws + bl.simg;
   s = launch_fused<T>(f, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(f), dinfo->sms, &sp, &maps.v);
+  // dq, dk per value head: the caller's tensors where each group is one value head, else the
+  // partials (contiguous [B * T][HV][K]) that the finish kernel sums.
+  MutTensorRef dq = b.dq, dk = b.dk;
+  if (bl.partials) {
+    const int64_t HV = f.shape.num_v_heads;
+    for (MutTensorRef* r : {&dq, &dk}) {
+      r->stride[0] = f.shape.seqlen * HV * kDK, r->stride[1] = HV * kDK, r->stride[2] = kDK;
+    }
+    dq.data = ws + bl.dqp;
+    dk.data = ws + bl.dkp;
+  }
   if (s.ok())
-    s = launch_reverse_chain<T, 1>(f, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, b.d_final_state, b.d_initial_state, sp.frags);
-  if (s.ok()) s = launch_chunk_grads<T>(f, bl.fwd, maps, sp.frags, sp.tm, b.dq, b.dk, b.dv, b.dg, b.dbeta);
-  return s;
+    s = launch_fused_step<T>(f, bl.sc, bl.fwd, maps, b.d_final_state, b.d_initial_state, b.dv, sp.simg, dq, &dk, &b.dbeta,
+                             sp.tm, &b.dg);
+  if (!s.ok()) return s;
+  FinishParams fp{};
+  fp.dqp = ws + bl.dqp;
+  fp.dkp = ws + bl.dkp;
+  fp.partial_bytes = bl.partials ? 2 : 0;
+  fp.dq = b.dq.data;
+  fp.dk = b.dk.data;
+  for (int i = 0; i < 3; ++i) {
+    fp.sdq[i] = b.dq.stride[i], fp.sdk[i] = b.dk.stride[i], fp.sdv[i] = b.dv.stride[i];
+    fp.sdh0[i] = b.d_initial_state.stride[i];
+  }
+  fp.B = f.shape.batch;
+  fp.T = f.shape.seqlen;
+  fp.H = static_cast<int>(f.shape.num_qk_heads), fp.HV = static_cast<int>(f.shape.num_v_heads);
+  fp.N = static_cast<int>(num_seqs(f));
+  fp.chunk_off = reinterpret_cast<const int*>(ws + bl.fwd.table);
+  fp.dv = b.dv.data;
+  fp.dg = b.dg.data;
+  fp.dbeta = b.dbeta.data;
+  for (int i = 0; i < 2; ++i) fp.sdg[i] = b.dg.stride[i], fp.sdb[i] = b.dbeta.stride[i];
+  fp.dg_dt = static_cast<int>(b.dg.dtype);
+  fp.db_dt = static_cast<int>(b.dbeta.dtype);
+  fp.dh0 = static_cast<float*>(b.d_initial_state.data);
+  const int64_t work = std::max<int64_t>(f.shape.batch * f.shape.seqlen * f.shape.num_qk_heads * (kDK / 4), 1);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
+  gdn_bwd_finish<T><<<grid, 256, 0, static_cast<cudaStream_t>(f.stream)>>>(fp);
+  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_finish");
+  return Status::Ok();
 }
 
 #ifdef QLA_SM90_TEST_HOOKS

@@ -41,6 +41,7 @@ void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_reverse_maps_ready(int on);  // 1: the split reverse chain reuses an earlier states pass's maps
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
+void set_test_backward_path(int path);  // qla::sm90::backward: 1 the chunked backward, 2 the fused one, 0 its rule
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -1413,6 +1414,174 @@ static bool check_step(const Case& c, uint64_t seed, cudaStream_t stream) {
   return ok;
 }
 
+// The library's backward (qla::sm90::backward, the path forced by set_test_backward_path) on the
+// case's inputs, v playing dO and the initial state's buffer d(final state): every gradient
+// (dq, dk summed over each group by the library) into poisoned buffers against the fp64
+// reference, and a second call bitwise identical.
+struct LibBwdBuffers {
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *db = nullptr, *ws = nullptr;
+  size_t n_q = 0, n_v = 0, n_g = 0, ws_bytes = 0;
+  qla::GdnBackwardParams bp;
+  LibBwdBuffers(const Problem& P, const Dev& D, cudaStream_t stream) {
+    const Case& c = P.c;
+    n_q = static_cast<size_t>(c.B * c.T * c.H * K), n_v = static_cast<size_t>(c.B * c.T * c.HV * V);
+    n_g = static_cast<size_t>(c.B * c.T * c.HV);
+    CK(cudaMalloc(&dq, std::max<size_t>(1, n_q) * 2));
+    CK(cudaMalloc(&dk, std::max<size_t>(1, n_q) * 2));
+    CK(cudaMalloc(&dv, std::max<size_t>(1, n_v) * 2));
+    CK(cudaMalloc(&dg, std::max<size_t>(1, n_g) * 4));
+    CK(cudaMalloc(&db, std::max<size_t>(1, n_g) * 4));
+    auto mref = [](void* d, DType dt, int64_t s0, int64_t s1, int64_t s2) {
+      qla::MutTensorRef r;
+      r.data = d, r.dtype = dt, r.stride[0] = s0, r.stride[1] = s1, r.stride[2] = s2;
+      return r;
+    };
+    bp.shape = D.p.shape;
+    bp.q = D.p.q, bp.k = D.p.k, bp.v = D.p.v, bp.g = D.p.g, bp.beta = D.p.beta;
+    bp.initial_state = D.p.initial_state;
+    bp.cu_seqlens = D.p.cu_seqlens, bp.num_seqs = D.p.num_seqs, bp.cu_seqlens_host = D.p.cu_seqlens_host;
+    bp.d_o = D.p.v;
+    bp.d_final_state = D.p.initial_state;
+    bp.dq = mref(dq, c.qdt, c.T * c.H * K, c.H * K, K);
+    bp.dk = mref(dk, c.qdt, c.T * c.H * K, c.H * K, K);
+    bp.dv = mref(dv, c.qdt, c.T * c.HV * V, c.HV * V, V);
+    bp.dg = mref(dg, DType::kFloat32, c.T * c.HV, c.HV, 1);
+    bp.dbeta = mref(db, DType::kFloat32, c.T * c.HV, c.HV, 1);
+    bp.d_initial_state = mref(D.p.final_state.data, DType::kFloat32, D.p.final_state.stride[0], D.p.final_state.stride[1],
+                              D.p.final_state.stride[2]);
+    bp.scale = D.p.scale, bp.state_layout = D.p.state_layout;
+    bp.split = D.p.split, bp.split_chunks = D.p.split_chunks;
+    bp.device = qla::Device::kCuda, bp.stream = stream;
+    qla::Status s = qla::sm90::backward_workspace_size(bp, &ws_bytes);
+    if (s.ok()) CK(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 16)));
+    bp.workspace = ws, bp.workspace_bytes = ws_bytes;
+  }
+  LibBwdBuffers(const LibBwdBuffers&) = delete;
+  LibBwdBuffers& operator=(const LibBwdBuffers&) = delete;
+  ~LibBwdBuffers() {
+    for (void* x : {dq, dk, dv, dg, db, ws})
+      if (x) CK(cudaFree(x));
+  }
+  void poison(const Problem& P, const Dev& D) const {
+    CK(cudaMemset(dq, 0xFF, std::max<size_t>(1, n_q) * 2));
+    CK(cudaMemset(dk, 0xFF, std::max<size_t>(1, n_q) * 2));
+    CK(cudaMemset(dv, 0xFF, std::max<size_t>(1, n_v) * 2));
+    CK(cudaMemset(dg, 0xFF, std::max<size_t>(1, n_g) * 4));
+    CK(cudaMemset(db, 0xFF, std::max<size_t>(1, n_g) * 4));
+    CK(cudaMemset(D.hT, 0xFF, P.N * P.c.HV * 128 * state_row_pitch() * 4));
+    if (ws) CK(cudaMemset(ws, 0xFF, ws_bytes));
+  }
+};
+
+static bool check_library_backward(const Case& c, uint64_t seed, cudaStream_t stream, int path) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);
+  const Case& cc = P.c;
+  qla::sm90::set_test_backward_path(path);
+  qla::Status s;
+  std::vector<float> h[2], hg[2], hb[2];
+  std::vector<uint16_t> hq[2], hk[2], hv[2];
+  {
+    LibBwdBuffers b(P, D, stream);
+    for (int call = 0; call < 2 && s.ok(); ++call) {
+      b.poison(P, D);
+      s = qla::sm90::backward(b.bp);
+      if (!s.ok()) break;
+      CK(cudaStreamSynchronize(stream));
+      h[call].resize(P.N * cc.HV * 128 * state_row_pitch());
+      hq[call].resize(b.n_q), hk[call].resize(b.n_q), hv[call].resize(b.n_v), hg[call].resize(b.n_g), hb[call].resize(b.n_g);
+      CK(cudaMemcpy(h[call].data(), D.hT, h[call].size() * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hq[call].data(), b.dq, b.n_q * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hk[call].data(), b.dk, b.n_q * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hv[call].data(), b.dv, b.n_v * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hg[call].data(), b.dg, b.n_g * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(hb[call].data(), b.db, b.n_g * 4, cudaMemcpyDeviceToHost));
+    }
+  }
+  qla::sm90::set_test_backward_path(0);
+  if (!s.ok()) { std::printf("%-34s library backward: %s\n", c.name.c_str(), s.message().c_str()); free_dev(D); return false; }
+  FullGrads G;
+  reference_backward(P, P.v, G);
+  Err err;
+  state_errors(P, h[0], G.dh0, err);
+  L2 eq, ek, ev, eg, eb;
+  for (size_t i = 0; i < hq[0].size(); ++i) {
+    eq.add(from16(hq[0][i], cc.qdt), G.dq[i]);
+    ek.add(from16(hk[0][i], cc.qdt), G.dk[i]);
+  }
+  for (size_t i = 0; i < hv[0].size(); ++i) ev.add(from16(hv[0][i], cc.qdt), G.dv[i]);
+  for (size_t i = 0; i < hg[0].size(); ++i) {
+    eg.add(hg[0][i], G.dg[i]);
+    eb.add(hb[0][i], G.dbeta[i]);
+  }
+  const bool same = h[0] == h[1] && hq[0] == hq[1] && hk[0] == hk[1] && hv[0] == hv[1] &&
+                    std::memcmp(hg[0].data(), hg[1].data(), hg[0].size() * 4) == 0 &&
+                    std::memcmp(hb[0].data(), hb[1].data(), hb[0].size() * 4) == 0;
+  // (state_errors flags NaN in every state, also those with no sequence: N x HV are all written)
+  const bool nan = err.nan || eq.nan || ek.nan || ev.nan || eg.nan || eb.nan;
+  const bool ok = !nan && same && err.h <= 4e-3 && eq.rel() <= 4e-3 && ek.rel() <= 4e-3 && ev.rel() <= 4e-3 &&
+                  eg.rel() <= 4e-3 && eb.rel() <= 4e-3;
+  std::printf("library bwd (%s) %-34s N=%-3lld T=%-5lld H=%lld HV=%-2lld  dh0 %.2e dq %.2e dk %.2e dv %.2e dg %.2e dbeta %.2e%s%s  %s\n",
+              path == 2 ? "fused" : "chunked", c.name.c_str(), (long long)P.N, (long long)cc.T, (long long)cc.H,
+              (long long)cc.HV, err.h, eq.rel(), ek.rel(), ev.rel(), eg.rel(), eb.rel(), nan ? " NaN" : "",
+              same ? "" : " (second call differs)", ok ? "ok" : "FAIL");
+  free_dev(D);
+  return ok;
+}
+
+// The library's backward on the backward grid's shapes (benchmarks.md: 8192 or 32768 tokens cut
+// into 1, 2, 4, 8 sequences, heads 16/32, 8/16, 4/8, 2/4; own cut points), bench inputs, each path
+// forced, alternated twice: eager event medians of qla::sm90::backward.
+static void bench_backward_paths(cudaStream_t stream) {
+  uint64_t lcg = 42;
+  for (int64_t total : {8192, 32768})
+    for (int nseq : {1, 2, 4, 8})
+      for (int64_t h : {16, 8, 4, 2}) {
+        Case c;
+        c.H = h, c.HV = 2 * h;
+        if (nseq == 1) {
+          c.B = 1, c.T = total;
+        } else {
+          std::vector<int64_t> cuts;
+          while ((int)cuts.size() < nseq - 1) {
+            lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+            const int64_t x = 1 + static_cast<int64_t>((lcg >> 33) % static_cast<uint64_t>(total - 1));
+            if (std::find(cuts.begin(), cuts.end(), x) == cuts.end()) cuts.push_back(x);
+          }
+          std::sort(cuts.begin(), cuts.end());
+          int64_t prev = 0;
+          for (int64_t x : cuts) c.lens.push_back(x - prev), prev = x;
+          c.lens.push_back(total - prev);
+        }
+        c.name = std::to_string(h) + "/" + std::to_string(2 * h) + " " + std::to_string(total) + "/" + std::to_string(nseq);
+        Problem P = make_problem(c);
+        Dev D;
+        setup(P, D, stream);
+        bench_inputs(P, D);
+        double t[2][2] = {{0, 0}, {0, 0}};
+        qla::Status s;
+        for (int r = 0; r < 2 && s.ok(); ++r)
+          for (int path : {1, 2}) {
+            qla::sm90::set_test_backward_path(path);
+            LibBwdBuffers b(P, D, stream);
+            s = qla::sm90::backward(b.bp);
+            CK(cudaStreamSynchronize(stream));
+            if (!s.ok()) break;
+            t[r][path - 1] = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
+          }
+        qla::sm90::set_test_backward_path(0);
+        if (!s.ok()) std::printf("bench-bwd %s: %s\n", c.name.c_str(), s.message().c_str());
+        else
+          std::printf("bench-bwd %-14s pairs %4lld chunks %4lld: chunked %8.1f %8.1f us, fused %8.1f %8.1f us, fused/chunked %.3f\n",
+                      c.name.c_str(), (long long)(P.N * c.HV), (long long)((total + 63) / 64), t[0][0] * 1e3,
+                      t[1][0] * 1e3, t[0][1] * 1e3, t[1][1] * 1e3, (t[0][1] + t[1][1]) / (t[0][0] + t[1][0]));
+        free_dev(D);
+      }
+}
+
 static std::vector<Case> reverse_cases() {
   std::vector<Case> r;
   auto add = [&](const char* name, int64_t B, int64_t T, int64_t H, int64_t HV) -> Case& {
@@ -1645,6 +1814,7 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
 int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse = false, do_reverse_bench = false;
+  bool do_bwd_lib = false, do_bwd_paths = false;
   bool do_step = false;  // --step: the reverse step (fused_step.cuh) on the backward's cases
   bool do_states = false, do_grads = false, do_grads_bench = false, do_grads_bench_grid = false;
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
@@ -1665,6 +1835,8 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--states") do_states = true;
     if (std::string(argv[i]) == "--grads") do_grads = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
+    if (std::string(argv[i]) == "--bwd-lib") do_bwd_lib = true;
+    if (std::string(argv[i]) == "--bwd-paths") do_bwd_paths = true;
     if (std::string(argv[i]) == "--grads-bench") do_grads_bench = true;
     // --grads-bench-grid: the passes on the one-sequence rows of the backward grid (benchmarks.md),
     // beside the library's backward timed by bench/run_grid.py --kind bwd on the same machine.
@@ -1745,6 +1917,35 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
+  if (do_bwd_lib || do_bwd_paths) {  // the library's backward, each path forced (test builds)
+#ifdef QLA_SM90_TEST_HOOKS
+    const std::vector<Case> rc = do_bwd_lib ? reverse_cases() : std::vector<Case>{};
+    for (size_t i = 0; i < rc.size(); ++i) ok = check_library_backward(rc[i], 5771 + i, stream, 2) && ok;
+    // The chunked backward on the cases of the ordinary input range (its finish kernel is shared).
+    for (size_t i : {3, 4, 5, 6, 8})
+      if (i < rc.size()) ok = check_library_backward(rc[i], 5771 + i, stream, 1) && ok;
+    if (do_bwd_lib) {  // forced pieces: the fused backward's split passes (the exact path and the mirror)
+      g_split = qla::SplitMode::kOn;
+      for (int chunks : {3, 8}) {
+        g_split_chunks = chunks;
+        for (size_t i : {3, 4, 5, 6}) {
+          Case c = rc[i];
+          c.name = "split " + std::to_string(chunks) + ": " + c.name;
+          ok = check_library_backward(c, 4771 + i, stream, 2) && ok;
+        }
+      }
+      g_split = qla::SplitMode::kAuto;
+      g_split_chunks = 0;
+    }
+    if (do_bwd_paths) bench_backward_paths(stream);
+#else
+    std::printf("--bwd-lib and --bwd-paths need a build with -DQLA_SM90_TEST_HOOKS\n");
+    ok = false;
+#endif
+    CK(cudaStreamDestroy(stream));
+    std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
+    return ok ? 0 : 1;
+  }
   if (do_reverse || do_reverse_bench || do_states || do_grads || do_grads_bench || do_grads_bench_grid || do_step) {  // the fused backward's parts (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
     // The backward's cases: the reverse chain at both V tiles, the states pass, the gradients.
