@@ -66,8 +66,8 @@ with torch.no_grad():
     print(f"breakdown: _ops.forward_impl (no API checks):          {host_us(impl):.1f} us")
     print(f"breakdown: _C.forward alone (C++ checks + 3 launches):  {host_us(binding):.1f} us")
 
-# The backward's eager path (one pair: the fused backward, states pass + reverse chain +
-# gradients kernel), from the low-level API with the forward's inputs given.
+# The backward's eager path (one pair: the fused backward, states pass + reverse step +
+# finish), from the low-level API with the forward's inputs given.
 do = torch.randn_like(v)
 dht = torch.randn_like(h0)
 bwd = lambda: qla.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu)

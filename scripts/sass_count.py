@@ -2,13 +2,13 @@
 """SASS size and register use of each kernel in a binary, largest first.
 
 A kernel whose hot path outgrows the SM's instruction cache waits on instruction fetch (ncu's
-`no_instruction` stall): the gradients kernel at ~10,100 instructions a value head spent 44% of
-its samples there (docs/design.md bwd-18), the fused forward's K2 at 8,816 with four roles 31%
-(fused-34). Check the count after every change to a kernel; it also names any kernel whose wgmma
+`no_instruction` stall): the former gradients kernel at ~10,100 instructions a value head spent
+44% of its samples there (docs/design.md bwd-18), the fused forward's K2 at 8,816 with four roles
+31% (fused-34). Check the count after every change to a kernel; it also names any kernel whose wgmma
 ptxas serialized (an arrive before every HGMMA, C7520 in a -Xptxas -v build; bwd-50):
 
-    python3 scripts/sass_count.py build/.../libqla_core.so --filter chunk_grads
-    python3 scripts/sass_count.py .ab/test_binary --filter 'fwd_chunks|fused_reverse'
+    python3 scripts/sass_count.py build/.../libqla_core.so --filter gdn_bwd_fused_step
+    python3 scripts/sass_count.py .ab/test_binary --filter 'fwd_chunks|fused_step'
 
 Counts are of the whole kernel (16 bytes an instruction); the hot loop is part of it. With
 --source (a -lineinfo build, one kernel matched) the count is split by role and phase: roles start

@@ -561,7 +561,7 @@ __host__ __device__ __forceinline__ int order_bucket(int cnt) {
   return 1 + 4 * e + m;  // <= 124
 }
 
-// A CTA of a sequential pass (forward recurrence, backward states pass and reverse chain).
+// A CTA of a sequential pass (forward recurrence, backward states pass and reverse step).
 // Launch order = blockIdx x, then y, then z: x = V tile fastest, then value head (a (sequence,
 // head)'s V-tile CTAs start together and read each chunk's data from L2 at about the same
 // time); y + gridDim.y * z = the sequence's rank in the longest-first order. When the grid
@@ -635,13 +635,6 @@ __device__ __forceinline__ void zero_box_rows(uint32_t box, int len, int tid, in
   for (uint32_t off = row_bytes * len + 16u * tid; off < row_bytes * kC; off += 16u * threads)
     sts128(box + off, make_uint4(0u, 0u, 0u, 0u));
 }
-// 16 bytes global -> shared without a register round trip (cp.async, L2 only); completed by
-// cp_async_wait_all in the issuing thread, then a barrier for the other readers.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void sts128f(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }

@@ -303,11 +303,10 @@ using AuxMma = decltype(make_tiled_mma(
     GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>()));
 using AuxAcc = decltype(partition_fragment_C(AuxMma{}, Shape<_64, _64>{}));
 
-// acc = Q K^T from the stacked K|Q operand sQK of element type E (the fp16 copies K', Q', or the
-// raw 16-bit inputs), issued as one wgmma batch and committed, not waited for.
-template <class E>
-__device__ __forceinline__ void aux_issue_qk(const E* sQK, int wt, AuxAcc& acc) {
-  auto mma = make_tiled_mma(GMMA::ss_op_selector<E, E, float, Shape<_64, _64, _16>, GMMA::Major::K, GMMA::Major::K>());
+// acc = Q K^T from the stacked K|Q operand sQK (the fp16 copies K', Q'), issued as one wgmma
+// batch and committed, not waited for.
+__device__ __forceinline__ void aux_issue_qk(const cutlass::half_t* sQK, int wt, AuxAcc& acc) {
+  auto mma = AuxMma{};
   auto thr = mma.get_thread_slice(wt);
   Tensor tQK = make_tensor(make_smem_ptr(sQK), QK_K{});
   Tensor rQ = thr.partition_fragment_A(local_tile(tQK, Shape<_64, _128>{}, make_coord(1, 0)));
@@ -320,13 +319,9 @@ __device__ __forceinline__ void aux_issue_qk(const E* sQK, int wt, AuxAcc& acc) 
 
 // The gated scores from acc = Q K^T (waited for): A_ij = e^(gamma_i - gamma_j) acc_ij for
 // j <= i < len, else 0, into rA16 (fp16: a register A operand of K = 64, or a 64 x 64
-// accumulator's elements for stmatrix_rows). kExp: times 2^(eq_i + ek_j) too (the per-token
-// exponents qexp, kexp: scores of the raw inputs in the units of Q' K'^T), folded into the
-// exponential's argument. The gate as a clamped difference (no overflow).
+// accumulator's elements for stmatrix_rows). The gate as a clamped difference (no overflow).
 using AuxA16 = decltype(make_tensor<cutlass::half_t>(Shape<Shape<_2, _2, _2>, _1, _4>{}));
-template <bool kExp>
-__device__ __forceinline__ void aux_gate_scores(const float* sGam, const int8_t* qexp, const int8_t* kexp, int len, int wt,
-                                                const AuxAcc& acc, AuxA16& rA16) {
+__device__ __forceinline__ void aux_gate_scores(const float* sGam, int len, int wt, const AuxAcc& acc, AuxA16& rA16) {
   using H = cutlass::half_t;
   Tensor cc = AuxMma{}.get_thread_slice(wt).partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
   CUTE_UNROLL
@@ -334,14 +329,7 @@ __device__ __forceinline__ void aux_gate_scores(const float* sGam, const int8_t*
     const int r = get<0>(cc(i)), j = get<1>(cc(i));
     const float gr = sGam[r];
     const float2 gc = *reinterpret_cast<const float2*>(sGam + j);
-    float x0 = fminf(gr - gc.x, 0.f) * kLog2e, x1 = fminf(gr - gc.y, 0.f) * kLog2e;
-    if constexpr (kExp) {
-      const int er = qexp[r];
-      x0 += static_cast<float>(er + kexp[j]);
-      x1 += static_cast<float>(er + kexp[j + 1]);
-    }
-    // Selected, not multiplied: rows past the end may come from raw tiles (the reverse chain's
-    // Q K^T), where the next sequence's tokens may be Inf or NaN.
+    const float x0 = fminf(gr - gc.x, 0.f) * kLog2e, x1 = fminf(gr - gc.y, 0.f) * kLog2e;
     rA16(i) = H(r < len && r >= j ? exp2_approx(x0) * acc(i) : 0.f);
     rA16(i + 1) = H(r < len && r >= j + 1 ? exp2_approx(x1) * acc(i + 1) : 0.f);
   }
@@ -355,7 +343,7 @@ __device__ __forceinline__ void aux_gated_scores(const cutlass::half_t* sQK, con
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   QLA_PHASE(4);
-  aux_gate_scores<false>(sGam, nullptr, nullptr, len, wt, acc, rA16);
+  aux_gate_scores(sGam, len, wt, acc, rA16);
 }
 
 // The gated scores A (aux_gated_scores), then acc = W = A Tu (sTu: the Tu image, read as
@@ -591,45 +579,11 @@ __device__ __forceinline__ void form_z(const Acc& accL, const Coord& cL, const u
   }
 }
 
-// The backward's chunk operands (docs/backward.md section 10, build step 3), when
-// RecParams::grad_frags is set: per (chunk, value head) region and 64-row block of v (v / 64), an
-// fp16 operand of the chunk as a math warpgroup holds it, in wgmma fragment order (element group
-// i, 8 values, of math thread t at 2048 i + 16 t: one coalesced 16-byte store each, and a reader
-// with the same thread layout gets the accumulator-ordered fragments back), with its row units:
-//   S'   = R_v S^T (64 v x 128 d; S the state entering the chunk): the lean kernel's states role,
-//   dSn' = R_v dSn^T (64 v x 128 d; dSn the gradient of the state leaving the chunk) and
-//   dU'  = R_v dU^T diag(2^ek) (64 v x 64 tokens; zero past the sequence's end): the reverse
-//          chain (fused_reverse.cuh), dSn' and dU' in the same units,
-//   each units array esc_v int32 x 64 (R_v = 2^esc_v for the block's row v).
-constexpr uint32_t kFragS = 0, kFragEscS = kFragS + 64 * kDK * 2;
-constexpr uint32_t kFragDSn = kFragEscS + 64 * 4, kFragDU = kFragDSn + 64 * kDK * 2, kFragEsc = kFragDU + 64 * kC * 2;
-constexpr uint32_t kFragBlockBytes = kFragEsc + 64 * 4;
-constexpr size_t kFragRegionBytes = size_t(kDV / 64) * kFragBlockBytes;
-
-// The fragments of an accumulator-ordered fp16 register tensor (8 k values each) to dst, and the
-// row units of this thread's two rows (row0 and row0 + 8) to esc_dst (one thread of each quad).
-template <class R16>
-__device__ __forceinline__ void store_fragments(const R16& r16, uint8_t* dst, int wt, int* esc_dst, int row0,
-                                                const int (&esc)[2]) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(r16) / 8; ++i) {
-    uint32_t u[4];
-    CUTE_UNROLL
-    for (int j = 0; j < 4; ++j)
-      u[j] = static_cast<uint32_t>(r16(8 * i + 2 * j).raw()) | (static_cast<uint32_t>(r16(8 * i + 2 * j + 1).raw()) << 16);
-    *reinterpret_cast<uint4*>(dst + 2048u * i + 16u * wt) = make_uint4(u[0], u[1], u[2], u[3]);
-  }
-  if (esc_dst && (wt & 3) == 0) {
-    esc_dst[row0] = esc[0];
-    esc_dst[row0 + 8] = esc[1];
-  }
-}
-
 // RecParams::grad_simg is set: per (chunk, value head) region, the state entering the chunk as
 // S^T (v, d) in the input type, laid out as the reverse step's shared-memory tile (QK_K: two
 // 64-column boxes of 128 rows of 128 bytes, the 128-byte swizzle moving 16-byte runs within a row
 // by row % 8) so that one bulk copy brings it in; no unit goes with it. Written from the states
-// role's fp16 copy in row units (the values the fragments hold, unscaled). The accumulator's
+// role's fp16 copy in row units (rS16), unscaled. The accumulator's
 // element pair (2e, 2e + 1) of n8 block j = e / 2 sits at rows r0, r0 + 8 (acc_half), columns
 // 8 j + 2 (lane % 4) + {0, 1}.
 constexpr uint32_t kSImgBytes = kDV * kDK * 2;
@@ -646,12 +600,6 @@ __device__ __forceinline__ void store_state_image(const R16& r16, uint8_t* img, 
     *reinterpret_cast<uint32_t*>(row + off) =
         pack2<T>(static_cast<float>(r16(e)) * sc[h], static_cast<float>(r16(e + 1)) * sc[h]);
   }
-}
-
-// The fragment block of (region, the 64 rows of v from v0), or null.
-__device__ __forceinline__ uint8_t* frag_block(const RecParams& p, size_t region, int v0) {
-  return p.grad_frags ? static_cast<uint8_t*>(p.grad_frags) + region * kFragRegionBytes + (v0 / 64) * kFragBlockBytes
-                      : nullptr;
 }
 
 // Nothing to do for this CTA: padding past the last piece or sequence, or malformed device
@@ -864,14 +812,11 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
     chunk_units<T>(accS, rS16, vp, kn, esc, f, sc, max(0, min(4, tu_exp_of<Cfg>(stb) - 1)));
     QLA_PHASE(1);
     if constexpr (kLean) {
-      // The backward's states pass (RecParams::grad_frags, grad_simg): the state entering each
-      // chunk that has o, S' = rS16 in its row units, before the first product reads the registers.
-      if (role.out && c >= nwarm) {
+      // The backward's states pass (RecParams::grad_simg): the state entering each chunk that
+      // has o, S' = rS16 in its row units, before the first product reads the registers.
+      if (p.grad_simg && role.out && c >= nwarm && v0 < kDV) {
         const size_t region = static_cast<size_t>(tile.ci0 + c0 + c) * p.HV + hv;
-        if (uint8_t* fb = frag_block(p, region, v0))
-          store_fragments(rS16, fb + kFragS, wt, reinterpret_cast<int*>(fb + kFragEscS), get<0>(cS(0)), esc);
-        if (p.grad_simg && v0 < kDV)
-          store_state_image<T>(rS16, static_cast<uint8_t*>(p.grad_simg) + region * kSImgBytes, v0, wt, esc);
+        store_state_image<T>(rS16, static_cast<uint8_t*>(p.grad_simg) + region * kSImgBytes, v0, wt, esc);
       }
       // Y^T = S^T K^T, Z^T = V^T - Y^T diag(e^gamma), U^T = Z^T Tu^T (N = 64 each: K's and Tu's
       // rows of the stacked operands), X^T = U^T diag(e^(Gamma - gamma)), S^T = e^Gamma S^T + X^T K.

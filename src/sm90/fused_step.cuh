@@ -2,10 +2,10 @@
 // (sequence or piece, value head) at V tile 128 walks the chunks last to first and, per chunk,
 // runs the state-gradient chain and forms the gradients of the chunk it leaves, every operand in
 // shared memory once (single-stage tiles between the roles and, with dq, one input stage).
-// Built in steps; this one: the chain, dv, dq, and with RecParams::dk set every other gradient
-// (dk, dbeta, and dg with RecParams::dg). Test builds only: with dk still slower than the
-// library's three kernels (docs/backward.md "The reverse step with every gradient", "The step's
-// spills"), so the library does not take it yet.
+// The chain, dv, dq, and with RecParams::dk set every other gradient (dk, dbeta, and dg with
+// RecParams::dg). The library's fused backward runs it after the states pass and before
+// gdn_bwd_finish (launch_backward in gdn_fwd_sm90.cu), with every gradient; test builds also
+// run it alone (test_run_fused_step), without dk.
 //
 // Per chunk (C = 64 tokens, gamma = cumsum g, Gamma = gamma_last; dSn the gradient of the state
 // leaving the chunk, dS the one entering it; Pg_ij = scale e^(gamma_i - gamma_j) q_i.k_j for
@@ -37,7 +37,7 @@
 //   accK  = Pg''^T dO (units ep), then x 2^(en - ep) + Kd' dSn': 2^en diag(2^ek) dU
 //   dU'   = 2^eu accK (fp16, eu from max |accK|): 2^(en + eu) diag(2^ek) dU
 //   dv    = 2^-(et + en + eu) Tu'^T dU'  (Tu' = 2^et diag(2^-ek) Tu, the region's image)
-//   W'    = -2^-et Tu' diag(e^gamma) K = -diag(2^-ek) W (fp16, as the reverse chain's)
+//   W'    = -2^-et Tu' diag(e^gamma) K = -diag(2^-ek) W (fp16)
 //   Qg'   = 2^eg Qg (fp16; eg from a bound on |q|), D' = 2^ed dO (fp16; ed from max |dO|)
 //   accS  = 2^a dS^T: x e^Gamma 2^(eg + ed - a), + D'^T Qg', x 2^(en + eu - eg - ed), + dU'^T W';
 //           a = en + eu.
@@ -108,7 +108,7 @@ constexpr int kMiscRedA = 16, kMiscRedK = 24, kMiscRedS = 32;
 constexpr uint32_t kSdK = kQKBytes + kImgTokTok * 2;
 constexpr int kSdX = 64, kSdRows = 128, kSdCols = 192, kSdRr = 448, kSdKb = 512, kSdTot = 576;
 constexpr int kMiscSdot = 40;  // dg: A's four warp partials of e^Gamma <dSn, S>
-// Named barriers within one role (0 is __syncthreads; fused_reverse.cuh uses 2 and 3).
+// Named barriers within one role (0 is __syncthreads; 2 is the fused forward's kBarAux).
 constexpr int kBarStepA = 4, kBarStepK = 5, kBarStepS = 6;
 
 // Whether the step's tiles in the input type T need power-of-two units: fp16's range does, bf16
@@ -386,10 +386,10 @@ __device__ __forceinline__ void form_tb(uint32_t src, uint32_t dst, const float*
   if (wt == 0) *ub_out = ub;
 }
 
-// The reverse step: RecParams as the reverse chain's (tiles_log2 = 0: one V tile of 128; pieces,
-// maps and passes as reverse_role says), tmv d_o's tensor map, h0 / sh0 d(final state) (null:
-// zero), hT / shT d(initial state) in the state layout vk, o / so dv (written for the chunks
-// after a warm-up, in pass 1 or unsplit).
+// The reverse step: RecParams as launch_fused_step makes them (tiles_log2 = 0: one V tile of 128;
+// pieces, maps and passes as reverse_role says), tmv v's tensor map and tmdo dO's, h0 / sh0
+// d(final state) (null: zero), hT / shT d(initial state) in the state layout vk, o / so dv
+// (written for the chunks after a warm-up, in pass 1 or unsplit).
 template <class T>
 __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const __grid_constant__ RecParams p) {
   using Cfg = StepCfg;

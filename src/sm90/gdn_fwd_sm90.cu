@@ -21,8 +21,9 @@
 // the kernels are in common.cuh (layouts, PTX helpers), prep.cuh, inverse.cuh, recurrence.cuh
 // and fused_chunks.cuh. It also holds the fused backward's host side (launch_backward, which
 // gdn_bwd_sm90.cu dispatches to), beside the forward kernels its states pass runs; its own
-// kernels are in fused_reverse.cuh, split.cuh (gdn_bwd_scan) and chunk_grads.cuh. See
-// src/sm90/README.md for the design and budgets.
+// kernels are in fused_step.cuh (the reverse step, with the split passes' helpers of
+// fused_reverse.cuh), split.cuh (gdn_bwd_scan) and bwd_finish.cuh. See src/sm90/README.md for
+// the design and budgets.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -51,8 +52,6 @@
 #include "split.cuh"
 #include "split_plan.cuh"
 #include "host_util.cuh"
-#include "fused_reverse.cuh"  // the fused backward's reverse chain
-#include "chunk_grads.cuh"    // the fused backward's gradients kernel
 #include "fused_step.cuh"     // the fused backward's reverse step (chain and gradients in one CTA)
 #include "bwd_finish.cuh"     // the backward's dq, dk group sums
 
@@ -72,7 +71,7 @@ int g_test_fused = 0;      // test builds only: 64 / 128 forces the fused forwar
 int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads per item, -1 the key head's all (0: auto)
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
-int g_test_reverse_maps_ready = 0;  // test builds only: the split reverse chain's maps left by a states pass
+int g_test_reverse_maps_ready = 0;  // test builds only: the reverse step's table, regions and maps left by a states pass
 int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
 #endif
 
@@ -157,7 +156,7 @@ struct SplitChoice {
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
 };
-// fused_only: the plan of the fused backward's states pass and reverse chain, which have no
+// fused_only: the plan of the fused backward's states pass and reverse step, which have no
 // two-pass alternative: the split model's alone, without the forward's two-pass rules (which
 // keep few pairs of sequences under kFusedMinChunks whole, and split the others only below
 // kTwoPassShare of the unsplit cost).
@@ -283,13 +282,6 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   // The fused backward's (its states pass runs the kernels above).
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_step)");
-#ifdef QLA_SM90_TEST_HOOKS
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)RevCfg<1>::kSmem),
-               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_chunk_grads<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kGradSmemBytes),
-               "cudaFuncSetAttribute(gdn_bwd_chunk_grads)");
-#endif
   cudaFuncAttributes attr;
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_bwd_finish<T>), "cudaFuncGetAttributes(gdn_bwd_finish)");
   QLA_CUDA_TRY(cudaFuncGetAttributes(&attr, gdn_chunk_table), "cudaFuncGetAttributes(gdn_chunk_table)");
@@ -367,13 +359,12 @@ bool fused_v_tile_128(const GdnForwardParams& p, int64_t N, int64_t HV, int sms)
 }
 
 // The backward's states pass (docs/backward.md section 10) runs the forward's launch with these
-// set: the lean kernel in every pass (no o), storing each chunk's entering state S' as fragments
-// (RecParams::grad_frags, kFragRegionBytes per region), split as the forward splits, on the
-// warm-up path only where the chunks both before and after every boundary decay (elsewhere the
-// exact path: the reverse chain's exact path needs every piece's map); tm, when set, takes the
-// inverse kernel's T' images (its backward instantiation).
+// set: the lean kernel in every pass (no o), storing each chunk's entering state as the image S'
+// (RecParams::grad_simg, kSImgBytes per region), split as the forward splits, on the warm-up
+// path only where the chunks both before and after every boundary decay (elsewhere the exact
+// path: the reverse step's exact path needs every piece's map); tm, when set, takes the inverse
+// kernel's T' images (its backward instantiation).
 struct StatesPass {
-  void* frags = nullptr;
   void* tm = nullptr;
   void* simg = nullptr;  // the reverse step's state images (RecParams::grad_simg)
 };
@@ -448,7 +439,6 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   rp.scale = static_cast<float>(p.scale);
   if (states) {
     rp.o = nullptr;
-    rp.grad_frags = states->frags;
     rp.grad_simg = states->simg;
   }
   bool vt128 = fused_v_tile_128(p, N, HV, sms);
@@ -463,8 +453,8 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     if (wl.copy_h0) rp.h0_copy = reinterpret_cast<float*>(ws + wl.h0_copy);
     rp.warm_decay = kWarmLogDecay;
     rp.warm_max = kWarmMaxChunks;
-    // The states pass warms up only where the reverse chain's mirror does too (split.cuh): the
-    // reverse chain's exact path needs this pass's transfer maps.
+    // The states pass warms up only where the reverse step's mirror does too (split.cuh): the
+    // reverse step's exact path needs this pass's transfer maps.
     rp.warm_rule = states ? kWarmBefore | kWarmAfter : kWarmBefore;
     rp.lean_maps = 1;
     rp.plan_dev = dp.out;
@@ -673,7 +663,7 @@ Status make_bwd_maps(const GdnForwardParams& f, const TensorRef& d_o, BwdMaps& m
   return s;
 }
 
-// The reverse passes of the fused backward's sequential kernel: unsplit, one launch; split (the
+// The reverse passes of the fused backward's reverse step: unsplit, one launch; split (the
 // forward's plan), pass 0 (pieces 1 .. np - 1 alone, into the map slots), the transposed scan
 // (gdn_bwd_scan) and pass 1 (every piece from the gradient leaving it). The warm-up mirror where
 // the chunks after every boundary decay (split.cuh); the exact path elsewhere.
@@ -699,46 +689,25 @@ Status run_reverse_passes(RecParams rp, const SplitChoice& sc, const WsLayout& w
   return launch(rp, " (pass 1)");
 }
 
-// The reverse kernels' params after the states pass: the chunk table, regions and (split) maps
-// in wl's places; dht (null: zero) in, dh0 (null: not written) out, in f.state_layout.
+// The reverse step's params after the states pass: the chunk table, regions and (split) maps in
+// wl's places; q, k, v's tensor maps; dht (null: zero) in, dh0 (null: not written) out, in
+// f.state_layout.
 RecParams reverse_params(const GdnForwardParams& f, const WsLayout& wl, const CUtensorMap& tmq, const CUtensorMap& tmk,
-                         const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0) {
+                         const CUtensorMap& tmv, const TensorRef& dht, const MutTensorRef& dh0) {
   uint8_t* ws = static_cast<uint8_t*>(f.workspace);
   RecParams rp = rec_params(f, tmq, tmk, seq_desc(f), reinterpret_cast<int*>(ws + wl.table), ws + wl.regions);
-  rp.tmv = tmdo;
+  rp.tmv = tmv;
   rp.scale = static_cast<float>(f.scale);
   rp.o = nullptr;
   rp.h0 = static_cast<const float*>(dht.data);
   rp.hT = static_cast<float*>(dh0.data);
   for (int i = 0; i < 3; ++i) { rp.sh0[i] = dht.stride[i]; rp.shT[i] = dh0.stride[i]; }
   rp.h0_pool = rp.hT_pool = PoolIndex{};
-  rp.grad_frags = nullptr;
   return rp;
 }
 
-// Step 2 at V tile 64 (kMathWGs 1; test builds also 128); frags: where the gradients kernel
-// reads dSn' and dU' (written in the pass that runs whole pieces: the one pass unsplit, pass 1).
-template <class T, int kMathWGs>
-Status launch_reverse_chain(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const CUtensorMap& tmq,
-                            const CUtensorMap& tmk, const CUtensorMap& tmdo, const TensorRef& dht, const MutTensorRef& dh0,
-                            void* frags) {
-  using Cfg = RevCfg<kMathWGs>;
-  RecParams rp = reverse_params(f, wl, tmq, tmk, tmdo, dht, dh0);
-  rp.tiles_log2 = kMathWGs == 1 ? 1 : 0;  // V tiles per value head: two of 64 or one of 128
-  cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
-  const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
-  const dim3 grid = seq_grid(static_cast<int>(sc.max_pieces ? sc.max_pieces : N), HV, kDV / Cfg::kVT);
-  return run_reverse_passes(rp, sc, wl, f, [&](RecParams q, const char* what) {
-    q.grad_frags = !q.pieces || q.pass == 1 ? frags : nullptr;
-    gdn_bwd_fused_reverse<T, kMathWGs><<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(q);
-    QLA_CUDA_TRY(cudaGetLastError(), (std::string("launch gdn_bwd_fused_reverse") + what).c_str());
-    return Status::Ok();
-  });
-}
-
-// The reverse step (fused_step.cuh) in the same passes: dv (written in the pass that runs whole
-// pieces) out too.
-// simg: the states pass's S' images (kSImgBytes per region); dq per value head; with dk set,
+// Step 2: the reverse step (fused_step.cuh) in those passes: d(initial state) and dv (written
+// in the pass that runs whole pieces) out; simg: the states pass's S' images (kSImgBytes per region); dq per value head; with dk set,
 // dk per value head and dbeta too (and dg with dg set), from the T' images tm (8 KiB per region).
 template <class T>
 Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const BwdMaps& maps,
@@ -789,53 +758,6 @@ Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const
     QLA_CUDA_TRY(cudaGetLastError(), (std::string("launch gdn_bwd_fused_step") + what).c_str());
     return Status::Ok();
   });
-}
-
-// Step 3: the gradients kernel over the chunk table and regions in wl's places, the T' images
-// tm and the fragments frags; dq, dk (summed over each value-head group), dv, dg, dbeta out.
-template <class T>
-Status launch_chunk_grads(const GdnForwardParams& f, const WsLayout& wl, const BwdMaps& maps, const void* frags,
-                          const void* tm, const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv,
-                          const MutTensorRef& dg, const MutTensorRef& dbeta) {
-  uint8_t* ws = static_cast<uint8_t*>(f.workspace);
-  ChunkGradParams gp{};
-  gp.sd = seq_desc(f);
-  gp.chunk_off = reinterpret_cast<int*>(ws + wl.table);
-  gp.regions = ws + wl.regions;
-  gp.frags = frags;
-  gp.tm = tm;
-  gp.N = static_cast<int>(num_seqs(f));
-  gp.H = static_cast<int>(f.shape.num_qk_heads);
-  gp.HV = static_cast<int>(f.shape.num_v_heads);
-  gp.tmq = maps.q;
-  gp.tmk = maps.k;
-  gp.tmv = maps.v;
-  gp.tmdo = maps.d_o;
-  gp.beta = f.beta.data;
-  gp.b_dt = static_cast<int>(f.beta.dtype);
-  gp.scale = static_cast<float>(f.scale);
-  gp.dq = dq.data;
-  gp.dk = dk.data;
-  gp.dv = dv.data;
-  gp.dg = dg.data;
-  gp.dbeta = dbeta.data;
-  gp.dg_dt = static_cast<int>(dg.dtype);
-  gp.db_dt = static_cast<int>(dbeta.dtype);
-  for (int i = 0; i < 3; ++i) {
-    gp.sdq[i] = dq.stride[i];
-    gp.sdk[i] = dk.stride[i];
-    gp.sdv[i] = dv.stride[i];
-  }
-  for (int i = 0; i < 2; ++i) {
-    gp.sb[i] = f.beta.stride[i];
-    gp.sdg[i] = dg.stride[i];
-    gp.sdb[i] = dbeta.stride[i];
-  }
-  // At least one CTA: on malformed cu_seqlens the kernel fills the gradients with NaN.
-  const unsigned chunks = static_cast<unsigned>(std::max<int64_t>(1, max_chunks(f)));
-  gdn_bwd_chunk_grads<T><<<dim3(chunks, gp.H), kGradThreads, kGradSmemBytes, static_cast<cudaStream_t>(f.stream)>>>(gp);
-  QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_chunk_grads");
-  return Status::Ok();
 }
 
 // The three steps, with the plan and layout fused_backward made (once per call: the eager path
@@ -936,10 +858,7 @@ Status launch_inverse_alone(const GdnForwardParams& p, void* regions, void* tm =
   return Status::Ok();
 }
 
-// Test builds only: the backward's states pass (StatesPass) as the library will run it: the
-// forward's plan (split where the forward splits; the fused kernels where the forward would take
-// the two-pass one), its workspace layout in p.workspace.
-// What the backward's test hooks below share: the device, the kernels' attributes, the
+// Test builds only. What the backward's test hooks below share: the device, the kernels' attributes, the
 // backward's plan and layout (checked against p.workspace) and its tensor maps (d_o's from d_o).
 template <class T>
 Status test_backward_setup(const GdnForwardParams& p, const TensorRef& d_o, const char* what, DeviceInfo*& dinfo,
@@ -952,8 +871,10 @@ Status test_backward_setup(const GdnForwardParams& p, const TensorRef& d_o, cons
   return s.ok() ? make_bwd_maps(p, d_o, maps) : s;
 }
 
+// The backward's states pass (StatesPass) as the library runs it: the backward's plan (split
+// where the fused kernels' split model splits), its workspace layout in p.workspace.
 template <class T>
-Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm, void* simg) {
+Status launch_states(const GdnForwardParams& p, void* tm, void* simg) {
   if (num_seqs(p) == 0) return Status::Ok();
   DeviceInfo* dinfo = nullptr;
   BwdLayout bl;
@@ -961,15 +882,14 @@ Status launch_states(const GdnForwardParams& p, void* grad_frags, void* tm, void
   Status s = test_backward_setup<T>(p, p.v, "sm90 states pass (test)", dinfo, bl, maps);  // (no dO here)
   if (!s.ok()) return s;
   StatesPass sp;
-  sp.frags = grad_frags;
   sp.tm = tm;
   sp.simg = simg;
   return launch_fused<T>(p, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v);
 }
 
-// Test builds only: what the reverse kernels read, as the library leaves it: the chunk table and
+// Test builds only: what the reverse step reads, as the library leaves it: the chunk table and
 // regions (and, split, the maps) of a states pass in p.workspace, run here first (a states pass
-// without fragments; unsplit, the table and the inverse kernel) unless g_test_reverse_maps_ready
+// without images; unsplit, the table and the inverse kernel) unless g_test_reverse_maps_ready
 // says an earlier call left them. Leaves the backward's layout and tensor maps.
 template <class T>
 Status test_reverse_setup(const GdnForwardParams& p, const TensorRef& d_o, const char* what, BwdLayout& bl, BwdMaps& maps) {
@@ -981,23 +901,6 @@ Status test_reverse_setup(const GdnForwardParams& p, const TensorRef& d_o, const
   StatesPass sp;
   return bl.sc.max_pieces ? launch_fused<T>(fp, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(p), dinfo->sms, &sp, &maps.v)
                           : launch_inverse_alone<T>(p, static_cast<uint8_t*>(p.workspace) + bl.fwd.regions);
-}
-
-// Test builds only: the reverse chain as the library runs it (launch_reverse_chain, V tile 64
-// or 128).
-template <class T, int kMathWGs>
-Status launch_reverse(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
-                      void* grad_frags) {
-  using Cfg = RevCfg<kMathWGs>;
-  if (num_seqs(p) == 0) return Status::Ok();
-  BwdLayout bl;
-  BwdMaps maps;
-  Status s = test_reverse_setup<T>(p, d_o, "sm90 reverse chain (test)", bl, maps);
-  if (!s.ok()) return s;
-  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_reverse<T, kMathWGs>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)Cfg::kSmem),
-               "cudaFuncSetAttribute(gdn_bwd_fused_reverse)");
-  return launch_reverse_chain<T, kMathWGs>(p, bl.sc, bl.fwd, maps.q, maps.k, maps.d_o, dht, dh0, grad_frags);
 }
 
 // Test builds only: the reverse step (launch_fused_step).
@@ -1015,20 +918,6 @@ Status launch_step(const GdnForwardParams& p, const TensorRef& d_o, const Tensor
   return launch_fused_step<T>(p, bl.sc, bl.fwd, maps, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg);
 }
 
-// Test builds only: the gradients kernel over the chunk table, regions and chunk operands that
-// earlier test calls left in p.workspace (as test_run_reverse_chain leaves them).
-template <class T>
-Status launch_grads_alone(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const void* tm,
-                          const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
-                          const MutTensorRef& dbeta) {
-  if (num_seqs(p) == 0) return Status::Ok();
-  DeviceInfo* dinfo = nullptr;
-  BwdLayout bl;
-  BwdMaps maps;
-  Status s = test_backward_setup<T>(p, d_o, "sm90 gradients (test)", dinfo, bl, maps);
-  if (!s.ok()) return s;
-  return launch_chunk_grads<T>(p, bl.fwd, maps, frags, tm, dq, dk, dv, dg, dbeta);
-}
 #endif
 
 }  // namespace
@@ -1063,24 +952,12 @@ Status test_run_inverse(const GdnForwardParams& p, void* regions, void* tm) {
   if (p.q.dtype == DType::kBFloat16) return launch_inverse_alone<cutlass::bfloat16_t>(p, regions, tm);
   return launch_inverse_alone<cutlass::half_t>(p, regions, tm);
 }
-Status test_run_chunk_grads(const GdnForwardParams& p, const TensorRef& d_o, const void* frags, const void* tm,
-                            const MutTensorRef& dq, const MutTensorRef& dk, const MutTensorRef& dv, const MutTensorRef& dg,
-                            const MutTensorRef& dbeta) {
-  Status s = check_supported(p);
-  if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_grads_alone<cutlass::bfloat16_t>(p, d_o, frags, tm, dq, dk, dv, dg, dbeta)
-                                       : launch_grads_alone<cutlass::half_t>(p, d_o, frags, tm, dq, dk, dv, dg, dbeta);
-}
-size_t test_fragment_layout(int i) {
-  const size_t v[] = {kFragS, kFragEscS, kFragDSn, kFragDU, kFragEsc, kFragBlockBytes, kFragRegionBytes};
-  return v[i];
-}
 size_t test_state_image_bytes() { return kSImgBytes; }
-Status test_run_states_pass(const GdnForwardParams& p, void* grad_frags, void* tm, void* simg) {
+Status test_run_states_pass(const GdnForwardParams& p, void* tm, void* simg) {
   Status s = check_supported(p);
   if (!s.ok()) return s;
-  return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, grad_frags, tm, simg)
-                                       : launch_states<cutlass::half_t>(p, grad_frags, tm, simg);
+  return p.q.dtype == DType::kBFloat16 ? launch_states<cutlass::bfloat16_t>(p, tm, simg)
+                                       : launch_states<cutlass::half_t>(p, tm, simg);
 }
 Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht, const MutTensorRef& dh0,
                            const MutTensorRef& dv, const void* simg, const MutTensorRef& dq, const MutTensorRef* dk,
@@ -1089,17 +966,6 @@ Status test_run_fused_step(const GdnForwardParams& p, const TensorRef& d_o, cons
   if (!s.ok()) return s;
   return p.q.dtype == DType::kBFloat16 ? launch_step<cutlass::bfloat16_t>(p, d_o, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg)
                                        : launch_step<cutlass::half_t>(p, d_o, dht, dh0, dv, simg, dq, dk, dbeta, tm, dg);
-}
-Status test_run_reverse_chain(const GdnForwardParams& p, const TensorRef& d_o, const TensorRef& dht,
-                              const MutTensorRef& dh0, int v_tile, void* grad_frags) {
-  Status s = check_supported(p);
-  if (!s.ok()) return s;
-  const bool bf = p.q.dtype == DType::kBFloat16;
-  if (v_tile == 128)
-    return bf ? launch_reverse<cutlass::bfloat16_t, 2>(p, d_o, dht, dh0, grad_frags)
-              : launch_reverse<cutlass::half_t, 2>(p, d_o, dht, dh0, grad_frags);
-  return bf ? launch_reverse<cutlass::bfloat16_t, 1>(p, d_o, dht, dh0, grad_frags)
-            : launch_reverse<cutlass::half_t, 1>(p, d_o, dht, dh0, grad_frags);
 }
 #endif
 

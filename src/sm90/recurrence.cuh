@@ -44,7 +44,7 @@ struct RecParams {
   int tiles_log2;     // column tiles per value head in the grid: 1 << tiles_log2 (V, or V + K with maps)
   float warm_decay;   // warm-up when the chunks next to a boundary sum g to at most this (log) ...
   int warm_max;       // ... within this many chunks (0: never; at most kWarmMaxChunks, split.cuh)
-  int warm_rule;      // which chunks: kWarmBefore (the forward), kWarmAfter (the reverse chain), or both (split.cuh)
+  int warm_rule;      // which chunks: kWarmBefore (the forward), kWarmAfter (the reverse step), or both (split.cuh)
   // Test builds only (set_test_fused_skip): what the fused recurrence leaves out, for timing
   // by difference, its results then wrong: 1 K and Q's loads, 2 V's, 4 the regions' (Tu image,
   // gates), 8 o's stores; the scan (split.cuh): 16 M's loads, 32 the products. 0 in the library.
@@ -60,10 +60,6 @@ struct RecParams {
   // state from this copy of h0 (made by the scan, per piece-0 map index and value head, [K][V]),
   // since its last piece writes the final state into that memory in the same launch.
   float* h0_copy;
-  // The backward's chunk operands for the gradients kernel (fused_chunks.cuh's kFrag* layout;
-  // null: none stored): the lean kernel's states role leaves each chunk's entering state there,
-  // the reverse chain (fused_reverse.cuh) its dSn' and dU'.
-  void* grad_frags;
   // The reverse step's state images (fused_chunks.cuh, store_state_image; null: none stored): the
   // lean kernel's states role leaves each chunk's entering state there, the step loads it.
   void* grad_simg;
@@ -184,7 +180,7 @@ __device__ void fill_nan_outputs(const RecParams& p) {
   const int64_t first = flat_block() * blockDim.x + threadIdx.x;
   const int64_t HV = p.HV, no = p.sd.T * HV * kDV;  // varlen: B == 1
   T* o = static_cast<T*>(p.o);
-  for (int64_t i = first; o && i < no; i += nthreads) {  // (no o: the backward's reverse chain)
+  for (int64_t i = first; o && i < no; i += nthreads) {  // (no o: the backward's states pass)
     const int64_t v = i % kDV, h = (i / kDV) % HV, t = i / (kDV * HV);
     o[t * p.so[1] + h * p.so[2] + v] = T(__int_as_float(0x7fc00000));
   }

@@ -68,7 +68,7 @@ __device__ __forceinline__ int warm_chunks(const RecParams& p, int ci0, int hv, 
   return 0;
 }
 // The backward's mirror (docs/backward.md "The warm-up mirror"): the state gradient at a boundary
-// comes from the chunks after it, so the reverse chain's warm-up runs the fewest chunks bc ..
+// comes from the chunks after it, so the reverse step's warm-up runs the fewest chunks bc ..
 // bc + w - 1 (of the sequence's nch) whose gates sum to at most warm_decay from a zero gradient;
 // 0 if warm_max chunks do not.
 __device__ __forceinline__ int warm_chunks_after(const RecParams& p, int ci0, int hv, int bc, int nch) {
@@ -86,8 +86,8 @@ __device__ __forceinline__ int warm_chunks_after(const RecParams& p, int ci0, in
   return 0;
 }
 // Which chunks warm_path asks to decay (RecParams::warm_rule): those before every boundary (the
-// forward's warm-up), those after (the reverse chain's mirror), or both (the backward's states
-// pass: it may warm up only where the reverse chain does too, since the reverse chain's exact
+// forward's warm-up), those after (the reverse step's mirror), or both (the backward's states
+// pass: it may warm up only where the reverse step does too, since the reverse step's exact
 // path needs the transfer maps that only the states pass's exact path forms).
 enum : int { kWarmBefore = 1, kWarmAfter = 2 };
 // Whether (sequence, head) takes the warm-up path: every one of its np - 1 boundaries (one warp;
@@ -381,7 +381,7 @@ __device__ __forceinline__ void scan_load_mt(const float* map, int warp, int g, 
 // The chain of either scan. Forward (gdn_fwd_scan): S_{j+1} = M_j S_j + R_j over slot j. Backward
 // (gdn_bwd_scan, docs/backward.md "Build step 4, second half"): X_s = M_{s+1}^T X_{s+1} + D_{s+1}
 // for s = np - 3 down to 0, X_s the state gradient leaving piece s, over slot s (where the reverse
-// chain's pass 0 left D_{s+1}; X_{np-2} is already in slot np - 2): the same chain with step j's
+// step's pass 0 left D_{s+1}; X_{np-2} is already in slot np - 2): the same chain with step j's
 // slot np - 2 - j, its M the next slot's, transposed (the products compute X_s^T = X_{s+1}^T M).
 template <bool kTransposed>
 __device__ __forceinline__ void scan_chain(const RecParams& p) {

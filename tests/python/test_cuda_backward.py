@@ -223,7 +223,7 @@ def test_fp16_scale_outside_the_backward_s_window_is_refused(scale):
 
 # The fused backward (docs/backward.md section 10): taken for few (sequence, value head) pairs and
 # whenever pieces are asked for (split=True); pieces of 2 or 3 chunks put many boundaries on the
-# reverse chain's transposed scan. Issue 14's bound: every gradient within 4e-3.
+# reverse step's transposed scan. Issue 14's bound: every gradient within 4e-3.
 FUSED_TOL = 4e-3
 
 
