@@ -634,10 +634,41 @@ struct BwdLayout {
   size_t tm = 0, simg = 0, dqp = 0, dkp = 0, total = 0;
   bool partials = false;  // dq, dk per value head into dqp, dkp (groups of several value heads)
 };
+// The fused backward's pieces. Its reverse step takes ~20 us a chunk on one SM, about ten times
+// the forward's chunk, so the forward's plan, which weighs the forward's costs, left SMs idle
+// where the sequences are few or uneven (bwd-54 in docs/design.md: 2/4 at 8192 tokens in four
+// sequences 3.9x the chunked backward). Instead, unless the call brings a plan (split on with
+// split_chunks, batch_invariant) or turns splitting off: pieces of equal length, as short as
+// lets every (chunk, value head) step fit the SMs once, pc = ceil(chunks x HV / sms), and no
+// shorter than kStepMinPieceChunks (each piece adds a warm-up or a transfer map and a scan step);
+// sequences no longer than pc stay whole. From the shapes alone (device lengths: a bound).
+constexpr int kStepMinPieceChunks = 16;
+#ifdef QLA_SM90_TEST_HOOKS
+int g_test_step_min_piece = 0;  // test builds: > 0 the shortest piece, -1 the forward's plan
+#endif
+GdnForwardParams step_plan_params(const GdnForwardParams& f, int sms) {
+  GdnForwardParams g = f;
+  if (f.split != SplitMode::kAuto || f.batch_invariant) return g;
+  int64_t shortest = kStepMinPieceChunks;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_step_min_piece < 0) return g;
+  if (g_test_step_min_piece > 0) shortest = g_test_step_min_piece;
+#endif
+  const int64_t steps = max_chunks(f) * f.shape.num_v_heads;
+  const int64_t pc = std::max<int64_t>(shortest, (steps + sms - 1) / std::max(sms, 1));
+  if (chunk_counts(f).longest <= pc || pc > INT32_MAX) {
+    g.split = SplitMode::kOff;
+    return g;
+  }
+  g.split = SplitMode::kOn;
+  g.split_chunks = static_cast<int>(pc);
+  return g;
+}
+
 BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   BwdLayout l;
-  l.sc = forward_choice(f, sms, /*fused_only=*/true);
+  l.sc = forward_choice(step_plan_params(f, sms), sms, /*fused_only=*/true);
   l.fwd = ws_layout(f, l.sc);
   const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
   const size_t part = static_cast<size_t>(f.shape.batch) * static_cast<size_t>(f.shape.seqlen) *
@@ -940,6 +971,7 @@ void set_test_fused_skip(int bits) { g_test_fused_skip = bits; }
 void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
 void set_test_reverse_maps_ready(int on) { g_test_reverse_maps_ready = on; }
+void set_test_step_min_piece(int chunks) { g_test_step_min_piece = chunks; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -42,6 +42,7 @@ void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inve
 void set_test_reverse_maps_ready(int on);  // 1: the reverse step reuses an earlier states pass's table, regions and maps
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
 void set_test_backward_path(int path);  // qla::sm90::backward: 1 the chunked backward, 2 the fused one, 0 its rule
+void set_test_step_min_piece(int chunks);  // the fused backward's shortest piece (0: its own; -1: the forward's plan)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 #endif
@@ -1204,7 +1205,7 @@ static bool check_library_backward(const Case& c, uint64_t seed, cudaStream_t st
     eg.add(hg[0][i], G.dg[i]);
     eb.add(hb[0][i], G.dbeta[i]);
   }
-  const bool same = h[0] == h[1] && hq[0] == hq[1] && hk[0] == hk[1] && hv[0] == hv[1] &&
+  const bool same = std::memcmp(h[0].data(), h[1].data(), h[0].size() * 4) == 0 && hq[0] == hq[1] && hk[0] == hk[1] && hv[0] == hv[1] &&
                     std::memcmp(hg[0].data(), hg[1].data(), hg[0].size() * 4) == 0 &&
                     std::memcmp(hb[0].data(), hb[1].data(), hb[0].size() * 4) == 0;
   // (state_errors flags NaN in every state, also those with no sequence: N x HV are all written)
@@ -1248,23 +1249,34 @@ static void bench_backward_paths(cudaStream_t stream) {
         Dev D;
         setup(P, D, stream);
         bench_inputs(P, D);
-        double t[2][2] = {{0, 0}, {0, 0}};
+        // Variants: the chunked backward; the fused one with the forward's plan, its own with the
+        // shortest piece 8, 16 (the default), 32 chunks.
+        const int nvar = 5;
+        const int var_path[nvar] = {1, 2, 2, 2, 2}, var_piece[nvar] = {0, -1, 8, 16, 32};
+        double t[2][nvar] = {};
         qla::Status s;
         for (int r = 0; r < 2 && s.ok(); ++r)
-          for (int path : {1, 2}) {
-            qla::sm90::set_test_backward_path(path);
+          for (int v = 0; v < nvar && s.ok(); ++v) {
+            qla::sm90::set_test_backward_path(var_path[v]);
+            qla::sm90::set_test_step_min_piece(var_piece[v]);
             LibBwdBuffers b(P, D, stream);
             s = qla::sm90::backward(b.bp);
             CK(cudaStreamSynchronize(stream));
             if (!s.ok()) break;
-            t[r][path - 1] = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
+            t[r][v] = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
           }
         qla::sm90::set_test_backward_path(0);
-        if (!s.ok()) std::printf("bench-bwd %s: %s\n", c.name.c_str(), s.message().c_str());
-        else
-          std::printf("bench-bwd %-14s pairs %4lld chunks %4lld: chunked %8.1f %8.1f us, fused %8.1f %8.1f us, fused/chunked %.3f\n",
-                      c.name.c_str(), (long long)(P.N * c.HV), (long long)((total + 63) / 64), t[0][0] * 1e3,
-                      t[1][0] * 1e3, t[0][1] * 1e3, t[1][1] * 1e3, (t[0][1] + t[1][1]) / (t[0][0] + t[1][0]));
+        qla::sm90::set_test_step_min_piece(0);
+        if (!s.ok()) {
+          std::printf("bench-bwd %s: %s\n", c.name.c_str(), s.message().c_str());
+        } else {
+          std::printf("bench-bwd %-14s pairs %4lld chunks %4lld: chunked %8.1f us; fused/chunked: fwd plan %.3f, min 8 %.3f, "
+                      "min 16 %.3f, min 32 %.3f  (rounds: chunked %.1f %.1f, min 16 %.1f %.1f)\n",
+                      c.name.c_str(), (long long)(P.N * c.HV), (long long)((total + 63) / 64), 0.5e3 * (t[0][0] + t[1][0]),
+                      (t[0][1] + t[1][1]) / (t[0][0] + t[1][0]), (t[0][2] + t[1][2]) / (t[0][0] + t[1][0]),
+                      (t[0][3] + t[1][3]) / (t[0][0] + t[1][0]), (t[0][4] + t[1][4]) / (t[0][0] + t[1][0]), t[0][0] * 1e3,
+                      t[1][0] * 1e3, t[0][3] * 1e3, t[1][3] * 1e3);
+        }
         free_dev(D);
       }
 }
