@@ -267,14 +267,14 @@ Status bwd_launch(const GdnBackwardParams& p) {
   return Status::Ok();
 }
 
-// Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu,
-// docs/backward.md section 10) where it is measured faster than the chunked one below, calls of
-// at most kFusedBwdMaxPairs (sequence, value head) pairs (bwd-26 in docs/design.md, both on the
-// 32-row grid, H100: at 4 and 8 pairs 0.99-1.04 of the chunked time, at 16 pairs 0.86-0.93 on
-// five rows of six and 1.02 on 8/16 1x8192; from 32 pairs 1.01-1.34 slower, the gradients
-// kernel), and whenever the caller asks for pieces (split = kOn: only it splits) or for batch
-// invariance (a choice by the call's pair count would let the rest of the batch pick the path).
-// The chunked backward elsewhere, until the fused one is faster everywhere.
+// Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu: states
+// pass, reverse step, finish) for calls of at most kFusedBwdMaxPairs (sequence, value head) pairs
+// (bwd-54 in docs/design.md, the 32-row grid's shapes on the H100: 0.43-0.95 of the chunked
+// time on every such row; from 32 pairs 0.89-1.4, mostly slower: with the pairs filling the
+// SMs, its ~20 us chunk step on one SM per pair has no pieces to spread), and whenever the
+// caller asks for pieces (split = kOn: only it splits) or for batch invariance (a choice by the
+// call's pair count would let the rest of the batch pick the path). The chunked backward
+// elsewhere, until the fused one is faster everywhere.
 constexpr int64_t kFusedBwdMaxPairs = 16;
 #ifdef QLA_SM90_TEST_HOOKS
 int g_test_bwd_path = 0;  // test builds: 1 the chunked backward, 2 the fused one, 0 the rule below

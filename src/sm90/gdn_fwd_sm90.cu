@@ -638,25 +638,39 @@ struct BwdLayout {
 // the forward's chunk, so the forward's plan, which weighs the forward's costs, left SMs idle
 // where the sequences are few or uneven (bwd-54 in docs/design.md: 2/4 at 8192 tokens in four
 // sequences 3.9x the chunked backward). Instead, unless the call brings a plan (split on with
-// split_chunks, batch_invariant) or turns splitting off: pieces of equal length, as short as
-// lets every (chunk, value head) step fit the SMs once, pc = ceil(chunks x HV / sms), and no
-// shorter than kStepMinPieceChunks (each piece adds a warm-up or a transfer map and a scan step);
-// sequences no longer than pc stay whole. From the shapes alone (device lengths: a bound).
-constexpr int kStepMinPieceChunks = 16;
+// split_chunks, batch_invariant) or turns splitting off, and while the (sequence, value head)
+// pairs fill at most half the SMs (beyond, the forward's plan): pieces of one length pc, the
+// shortest that keeps every piece's CTA in one wave of the SMs (no CTA waits for another's SM):
+//   sequences of one known length L (a batch of rows, or one sequence): k = floor(sms / pairs)
+//     pieces each, pc = ceil(L / k);
+//   device lengths: the CTAs number at most HV (chunks / pc + N) (each sequence's last piece
+//     partial), within sms for pc = ceil(HV chunks / (sms - pairs)), chunks the bound.
+// No piece shorter than kStepMinPieceChunks (each adds a warm-up or a transfer map and a scan
+// step: bwd-54 measured 8 against 16 and 32); sequences no longer than pc stay whole.
+constexpr int kStepMinPieceChunks = 8;
 #ifdef QLA_SM90_TEST_HOOKS
 int g_test_step_min_piece = 0;  // test builds: > 0 the shortest piece, -1 the forward's plan
 #endif
 GdnForwardParams step_plan_params(const GdnForwardParams& f, int sms) {
   GdnForwardParams g = f;
-  if (f.split != SplitMode::kAuto || f.batch_invariant) return g;
+  const int64_t N = num_seqs(f), HV = f.shape.num_v_heads, pairs = N * HV;
+  if (f.split != SplitMode::kAuto || f.batch_invariant || pairs == 0 || 2 * pairs > sms) return g;
   int64_t shortest = kStepMinPieceChunks;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_step_min_piece < 0) return g;
   if (g_test_step_min_piece > 0) shortest = g_test_step_min_piece;
 #endif
-  const int64_t steps = max_chunks(f) * f.shape.num_v_heads;
-  const int64_t pc = std::max<int64_t>(shortest, (steps + sms - 1) / std::max(sms, 1));
-  if (chunk_counts(f).longest <= pc || pc > INT32_MAX) {
+  const ChunkCounts counts = chunk_counts(f);
+  int64_t pc = 0;
+  if (!f.cu_seqlens.data || N == 1) {
+    const int64_t k = std::max<int64_t>(1, sms / pairs);
+    pc = (counts.longest + k - 1) / k;
+  } else {
+    const int64_t chunks = counts.total ? counts.total : max_chunks(f);
+    pc = (HV * chunks + (sms - pairs) - 1) / (sms - pairs);
+  }
+  pc = std::max<int64_t>(pc, shortest);
+  if (counts.longest <= pc || pc > INT32_MAX) {
     g.split = SplitMode::kOff;
     return g;
   }
