@@ -270,8 +270,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
 // Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu: states
 // pass, reverse step, finish) for calls of at most kFusedBwdMaxPairs (sequence, value head) pairs
 // (bwd-54 in docs/design.md, the 32-row grid's shapes on the H100: 0.43-0.95 of the chunked
-// time on every such row; from 32 pairs 0.89-1.4, mostly slower: with the pairs filling the
-// SMs, its ~20 us chunk step on one SM per pair has no pieces to spread), and whenever the
+// time on every such row; from 32 pairs 0.84-1.52, slower on 18 of 20 rows: once the pairs fill
+// the SMs, its ~20 us chunk step on one SM per pair has no pieces to spread), and whenever the
 // caller asks for pieces (split = kOn: only it splits) or for batch invariance (a choice by the
 // call's pair count would let the rest of the batch pick the path). The chunked backward
 // elsewhere, until the fused one is faster everywhere.
