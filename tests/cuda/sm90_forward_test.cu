@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -1223,7 +1224,8 @@ static bool check_library_backward(const Case& c, uint64_t seed, cudaStream_t st
 // The library's backward on the backward grid's shapes (benchmarks.md: 8192 or 32768 tokens cut
 // into 1, 2, 4, 8 sequences, heads 16/32, 8/16, 4/8, 2/4; own cut points), bench inputs, each path
 // forced, alternated twice: eager event medians of qla::sm90::backward.
-static void bench_backward_paths(cudaStream_t stream) {
+static std::vector<Case> backward_grid_cases() {
+  std::vector<Case> rows;
   uint64_t lcg = 42;
   for (int64_t total : {8192, 32768})
     for (int nseq : {1, 2, 4, 8})
@@ -1245,47 +1247,74 @@ static void bench_backward_paths(cudaStream_t stream) {
           c.lens.push_back(total - prev);
         }
         c.name = std::to_string(h) + "/" + std::to_string(2 * h) + " " + std::to_string(total) + "/" + std::to_string(nseq);
-        Problem P = make_problem(c);
-        Dev D;
-        setup(P, D, stream);
-        bench_inputs(P, D);
-        // Variants: the chunked backward; the fused one with the forward's plan, with its own
-        // (the shortest piece 8 chunks, the default) and its own with the shortest piece 16.
-        const int nvar = 4;
-        const int var_path[nvar] = {1, 2, 2, 2}, var_piece[nvar] = {0, -1, 0, 16};
-        double t[2][nvar] = {};
-        qla::Status s;
-        for (int r = 0; r < 2 && s.ok(); ++r)
-          for (int v = 0; v < nvar && s.ok(); ++v) {
-            qla::sm90::set_test_backward_path(var_path[v]);
-            qla::sm90::set_test_step_min_piece(var_piece[v]);
-            LibBwdBuffers b(P, D, stream);
-            s = qla::sm90::backward(b.bp);
-            CK(cudaStreamSynchronize(stream));
-            if (!s.ok()) break;
-            t[r][v] = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
-          }
-        qla::sm90::set_test_backward_path(0);
-        qla::sm90::set_test_step_min_piece(0);
-        double lib = 0;  // the library's own choice (fused_backward_chosen)
-        if (s.ok()) {
-          LibBwdBuffers b(P, D, stream);
-          s = qla::sm90::backward(b.bp);
-          CK(cudaStreamSynchronize(stream));
-          if (s.ok()) lib = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
-        }
-        if (!s.ok()) {
-          std::printf("bench-bwd %s: %s\n", c.name.c_str(), s.message().c_str());
-        } else {
-          const double ch = t[0][0] + t[1][0];
-          std::printf("bench-bwd %-14s pairs %4lld chunks %4lld: chunked %8.1f us; fused/chunked: fwd plan %.3f, own %.3f, "
-                      "own min 16 %.3f; library %8.1f us (%.3f)  (rounds: chunked %.1f %.1f, own %.1f %.1f)\n",
-                      c.name.c_str(), (long long)(P.N * c.HV), (long long)((total + 63) / 64), 0.5e3 * ch,
-                      (t[0][1] + t[1][1]) / ch, (t[0][2] + t[1][2]) / ch, (t[0][3] + t[1][3]) / ch, lib * 1e3, 2 * lib / ch,
-                      t[0][0] * 1e3, t[1][0] * 1e3, t[0][2] * 1e3, t[1][2] * 1e3);
-        }
-        free_dev(D);
+        rows.push_back(c);
       }
+  return rows;
+}
+
+// The library's forward and then two backwards (the rule's path) of backward_grid_cases()[row]:
+// the launch sequence for a profiler (ncu's per-kernel durations).
+static void run_backward_once(int row, cudaStream_t stream) {
+  const Case c = backward_grid_cases().at(row);
+  Problem P = make_problem(c);
+  Dev D;
+  setup(P, D, stream);
+  bench_inputs(P, D);
+  {
+    LibBwdBuffers b(P, D, stream);
+    qla::Status s = qla::sm90::forward(D.p);  // (the forward of the same row, for reference)
+    if (s.ok()) s = qla::sm90::backward(b.bp);
+    if (s.ok()) s = qla::sm90::backward(b.bp);
+    CK(cudaStreamSynchronize(stream));
+    std::printf("bwd-one %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
+  }
+  free_dev(D);
+}
+
+static void bench_backward_paths(cudaStream_t stream) {
+  for (const Case& c : backward_grid_cases()) {
+    const int64_t total = c.B * c.T > 0 ? c.B * c.T : std::accumulate(c.lens.begin(), c.lens.end(), int64_t(0));
+    Problem P = make_problem(c);
+    Dev D;
+    setup(P, D, stream);
+    bench_inputs(P, D);
+    // Variants: the chunked backward; the fused one with the forward's plan, with its own
+    // (the shortest piece 8 chunks, the default) and its own with the shortest piece 16.
+    const int nvar = 4;
+    const int var_path[nvar] = {1, 2, 2, 2}, var_piece[nvar] = {0, -1, 0, 16};
+    double t[2][nvar] = {};
+    qla::Status s;
+    for (int r = 0; r < 2 && s.ok(); ++r)
+      for (int v = 0; v < nvar && s.ok(); ++v) {
+        qla::sm90::set_test_backward_path(var_path[v]);
+        qla::sm90::set_test_step_min_piece(var_piece[v]);
+        LibBwdBuffers b(P, D, stream);
+        s = qla::sm90::backward(b.bp);
+        CK(cudaStreamSynchronize(stream));
+        if (!s.ok()) break;
+        t[r][v] = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
+      }
+    qla::sm90::set_test_backward_path(0);
+    qla::sm90::set_test_step_min_piece(0);
+    double lib = 0;  // the library's own choice (fused_backward_chosen)
+    if (s.ok()) {
+      LibBwdBuffers b(P, D, stream);
+      s = qla::sm90::backward(b.bp);
+      CK(cudaStreamSynchronize(stream));
+      if (s.ok()) lib = median_ms(stream, 10, [&] { (void)qla::sm90::backward(b.bp); });
+    }
+    if (!s.ok()) {
+      std::printf("bench-bwd %s: %s\n", c.name.c_str(), s.message().c_str());
+    } else {
+      const double ch = t[0][0] + t[1][0];
+      std::printf("bench-bwd %-14s pairs %4lld chunks %4lld: chunked %8.1f us; fused/chunked: fwd plan %.3f, own %.3f, "
+                  "own min 16 %.3f; library %8.1f us (%.3f)  (rounds: chunked %.1f %.1f, own %.1f %.1f)\n",
+                  c.name.c_str(), (long long)(P.N * c.HV), (long long)((total + 63) / 64), 0.5e3 * ch,
+                  (t[0][1] + t[1][1]) / ch, (t[0][2] + t[1][2]) / ch, (t[0][3] + t[1][3]) / ch, lib * 1e3, 2 * lib / ch,
+                  t[0][0] * 1e3, t[1][0] * 1e3, t[0][2] * 1e3, t[1][2] * 1e3);
+    }
+    free_dev(D);
+  }
 }
 
 static std::vector<Case> reverse_cases() {
@@ -1434,6 +1463,7 @@ int main(int argc, char** argv) {
   bool do_bench = false, do_inverse = false, do_inverse_bench = false, do_fused = false;
   bool do_split = false, do_fused_skip = false, do_short = false, do_reverse_bench = false;
   bool do_bwd_lib = false, do_bwd_paths = false;
+  int bwd_one_row = -1;
   bool do_step = false;  // --step: the reverse step (fused_step.cuh) on the backward's cases
   bool do_states = false;  // --states: the backward's states pass on the backward's cases
   int profile_row = -1;  // --profile R: one forward of bench row R, nothing else (for ncu)
@@ -1453,6 +1483,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
     if (std::string(argv[i]) == "--bwd-lib") do_bwd_lib = true;
     if (std::string(argv[i]) == "--bwd-paths") do_bwd_paths = true;
+    if (std::string(argv[i]) == "--bwd-one" && i + 1 < argc) bwd_one_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
   }
 #ifdef QLA_SM90_TEST_HOOKS
@@ -1519,8 +1550,9 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_bwd_lib || do_bwd_paths) {  // the library's backward, each path forced (test builds)
+  if (do_bwd_lib || do_bwd_paths || bwd_one_row >= 0) {  // the library's backward, each path forced (test builds)
 #ifdef QLA_SM90_TEST_HOOKS
+    if (bwd_one_row >= 0) run_backward_once(bwd_one_row, stream);
     const std::vector<Case> rc = do_bwd_lib ? reverse_cases() : std::vector<Case>{};
     for (size_t i = 0; i < rc.size(); ++i) ok = check_library_backward(rc[i], 5771 + i, stream, 2) && ok;
     // The chunked backward on the cases of the ordinary input range (its finish kernel is shared).
