@@ -1427,29 +1427,12 @@ static void bench_reverse(const Case& c, cudaStream_t stream) {
   // same inputs and incoming gradients (dO = v, d(final state) = h0, as the step's rows).
   double tlib = 0;
   {
-    StepBuffers o(P, c, D);  // (its per-value-head dq and dk hold the library's group sums)
-    qla::GdnBackwardParams bp;
-    bp.shape = D.p.shape;
-    bp.q = D.p.q, bp.k = D.p.k, bp.v = D.p.v, bp.g = D.p.g, bp.beta = D.p.beta;
-    bp.initial_state = D.p.initial_state;
-    bp.cu_seqlens = D.p.cu_seqlens, bp.num_seqs = D.p.num_seqs, bp.cu_seqlens_host = D.p.cu_seqlens_host;
-    bp.d_o = D.p.v;
-    bp.d_final_state = D.p.initial_state;
-    bp.dv = o.dvr, bp.dg = o.dgr, bp.dbeta = o.dbr;
-    bp.dq = o.dqr, bp.dk = o.dkr;
-    for (qla::MutTensorRef* r : {&bp.dq, &bp.dk}) r->stride[0] = P.c.T * c.H * K, r->stride[1] = c.H * K, r->stride[2] = K;
-    bp.scale = D.p.scale, bp.state_layout = D.p.state_layout;
-    bp.device = qla::Device::kCuda, bp.stream = stream;
-    size_t ws = 0;
-    qla::Status s = qla::sm90::backward_workspace_size(bp, &ws);  // (the backend directly: test builds link no api.cpp)
-    void* wsp = nullptr;
-    if (s.ok()) CK(cudaMalloc(&wsp, std::max<size_t>(ws, 1)));
-    bp.workspace = wsp, bp.workspace_bytes = ws;
-    if (s.ok()) s = qla::sm90::backward(bp);
+    LibBwdBuffers lb(P, D, stream);
+    lb.bp.d_initial_state = qla::MutTensorRef{};  // (d(initial state) not asked for, as before)
+    qla::Status s = lb.ws ? qla::sm90::backward(lb.bp) : qla::Status::Error(qla::StatusCode::kInvalidArgument, "no workspace");
     CK(cudaStreamSynchronize(stream));
-    if (s.ok()) tlib = median_ms(stream, 20, [&] { (void)qla::sm90::backward(bp); });
+    if (s.ok()) tlib = median_ms(stream, 20, [&] { (void)qla::sm90::backward(lb.bp); });
     else std::printf("bench reverse library backward %s: %s\n", c.name.c_str(), s.message().c_str());
-    CK(cudaFree(wsp));
   }
   std::printf("bench-reverse %-30s N=%lld T=%lld H=%lld HV=%lld: step (chain, dv, dq; alone) %8.1f us, %.2f per chunk; "
               "step with dk, dg, dbeta %8.1f us; states pass %8.1f us; library backward %8.1f us\n",
@@ -1550,15 +1533,18 @@ int main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
 #endif
-  if (do_bwd_lib || do_bwd_paths || bwd_one_row >= 0) {  // the library's backward, each path forced (test builds)
+  if (do_bwd_lib || do_bwd_paths || bwd_one_row >= 0 || do_reverse_bench || do_states || do_step) {
+    // The backward's test modes: the library's backward with each path forced, and the fused
+    // backward's parts (the reverse step, the states pass) run alone.
 #ifdef QLA_SM90_TEST_HOOKS
     if (bwd_one_row >= 0) run_backward_once(bwd_one_row, stream);
-    const std::vector<Case> rc = do_bwd_lib ? reverse_cases() : std::vector<Case>{};
-    for (size_t i = 0; i < rc.size(); ++i) ok = check_library_backward(rc[i], 5771 + i, stream, 2) && ok;
-    // The chunked backward on the cases of the ordinary input range (its finish kernel is shared).
-    for (size_t i : {3, 4, 5, 6, 8})
-      if (i < rc.size()) ok = check_library_backward(rc[i], 5771 + i, stream, 1) && ok;
-    if (do_bwd_lib) {  // forced pieces: the fused backward's split passes (the exact path and the mirror)
+    const std::vector<Case> rc = do_bwd_lib || do_states || do_step ? reverse_cases() : std::vector<Case>{};
+    for (size_t i = 0; i < rc.size() && do_bwd_lib; ++i) ok = check_library_backward(rc[i], 5771 + i, stream, 2) && ok;
+    if (do_bwd_lib) {
+      // The chunked backward on the cases of the ordinary input range (its finish kernel is shared).
+      for (size_t i : {3, 4, 5, 6, 8})
+        if (i < rc.size()) ok = check_library_backward(rc[i], 5771 + i, stream, 1) && ok;
+      // Forced pieces: the fused backward's split passes (the exact path and the mirror).
       g_split = qla::SplitMode::kOn;
       for (int chunks : {3, 8}) {
         g_split_chunks = chunks;
@@ -1572,18 +1558,6 @@ int main(int argc, char** argv) {
       g_split_chunks = 0;
     }
     if (do_bwd_paths) bench_backward_paths(stream);
-#else
-    std::printf("--bwd-lib and --bwd-paths need a build with -DQLA_SM90_TEST_HOOKS\n");
-    ok = false;
-#endif
-    CK(cudaStreamDestroy(stream));
-    std::printf("%s\n", ok ? "ALL PASSED" : "SOME CASES FAILED");
-    return ok ? 0 : 1;
-  }
-  if (do_reverse_bench || do_states || do_step) {  // the fused backward's parts (test builds)
-#ifdef QLA_SM90_TEST_HOOKS
-    // The backward's cases: the reverse step, the states pass.
-    const std::vector<Case> rc = do_states || do_step ? reverse_cases() : std::vector<Case>{};
     for (size_t i = 0; i < rc.size() && do_step; ++i) ok = check_step(rc[i], 6771 + i, stream) && ok;
     for (size_t i = 0; i < rc.size() && do_states; ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
     if (do_reverse_bench) {
@@ -1591,7 +1565,7 @@ int main(int argc, char** argv) {
       for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
     }
 #else
-    std::printf("--step, --states and --reverse-bench need a build with -DQLA_SM90_TEST_HOOKS\n");
+    std::printf("--bwd-lib, --bwd-paths, --bwd-one, --step, --states and --reverse-bench need a build with -DQLA_SM90_TEST_HOOKS\n");
     ok = false;
 #endif
     CK(cudaStreamDestroy(stream));
