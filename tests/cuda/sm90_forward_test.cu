@@ -1263,7 +1263,15 @@ static void run_backward_once(int row, cudaStream_t stream) {
   {
     LibBwdBuffers b(P, D, stream);
     qla::Status s = qla::sm90::forward(D.p);  // (the forward of the same row, for reference)
+#ifdef QLA_FUSED_PROFILE
+    CK(cudaStreamSynchronize(stream));
+    qla::sm90::test_print_phases();  // (the forward's records, cleared)
+#endif
     if (s.ok()) s = qla::sm90::backward(b.bp);
+#ifdef QLA_FUSED_PROFILE
+    CK(cudaStreamSynchronize(stream));
+    qla::sm90::test_print_phases();  // the first backward's kernels, in launch order (pass 0, then pass 1)
+#endif
     if (s.ok()) s = qla::sm90::backward(b.bp);
     CK(cudaStreamSynchronize(stream));
     std::printf("bwd-one %s: %s\n", c.name.c_str(), s.ok() ? "ok" : s.message().c_str());
