@@ -242,7 +242,8 @@ __device__ __forceinline__ float4 lds128(uint32_t addr) {
   return r;
 }
 // Phase timers for kernel work (-DQLA_FUSED_PROFILE, test builds): clock64 cycles per phase of
-// the warpgroups of the grid's first CTA, averaged over its chunks (regions), kept as records in
+// the warpgroups of one CTA (blockIdx (0, g_phase_cta_y, 0); y = 0 unless test_set_phase_cta
+// says otherwise: a split reverse step's pass 0 runs no piece 0), averaged over its chunks (regions), kept as records in
 // device memory and printed by print_phase_records (the test hook test_print_phases). Not by a
 // printf in the kernel: a call there serializes every wgmma of the kernel (ptxas C7510), which
 // is what the timers of 2026-12-01 and before measured. Each phase's cycles go straight to its
@@ -262,6 +263,7 @@ struct PhaseRecord {
 constexpr int kPhaseRecords = 64;
 __device__ PhaseRecord g_phase_records[kPhaseRecords];
 __device__ int g_phase_count;
+__device__ int g_phase_cta_y;  // the recorded CTA's blockIdx.y (test_set_phase_cta: pieces, sequences)
 __device__ __forceinline__ void phase_add(int slot, int k, long long cycles) {
   asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(&g_phase_records[slot].t[k]),
                "l"(static_cast<unsigned long long>(cycles))
@@ -274,7 +276,7 @@ __device__ __forceinline__ void phase_add(int slot, int k, long long cycles) {
 // every phase with a fence.
 #define QLA_PHASES_SMEM(n, slots)                                                                       \
   static_assert((n) <= kPhaseMax, "too many phases");                                                  \
-  const int ph_slot = (threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == 0                   \
+  const int ph_slot = (threadIdx.x & 127) == 0 && blockIdx.x == 0 && blockIdx.y == g_phase_cta_y      \
                           ? min(atomicAdd(&g_phase_count, 1), kPhaseRecords)                           \
                           : kPhaseRecords;                                                             \
   unsigned long long* const ph_sm = (slots);                                                           \

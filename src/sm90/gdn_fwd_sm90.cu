@@ -993,6 +993,7 @@ void test_print_phases() {  // the phase records of the kernels run since the la
   print_phase_records<<<1, 1>>>();
   cudaDeviceSynchronize();
 }
+void test_set_phase_cta(int y) { cudaMemcpyToSymbol(g_phase_cta_y, &y, sizeof(int)); }
 #endif
 Status test_run_inverse(const GdnForwardParams& p, void* regions, void* tm) {
   Status s = check_supported(p);

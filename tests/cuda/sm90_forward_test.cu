@@ -10,7 +10,10 @@
 // inverse kernel against an fp64 host reference on every case; --inverse-bench also times it
 // beside table + prep on the bench rows. --bench times the grid rows of bench_rows() (inputs made on the device);
 // with the hooks it also times table + prep alone. --profile runs one forward of a bench row and
-// nothing else (for ncu).
+// nothing else (for ncu). --bwd-one ROW (hooks) runs the forward and two library backwards of one
+// backward-grid row (ncu's kernel durations); in a -DQLA_FUSED_PROFILE build it prints the first
+// backward's phase timers, of the CTA blockIdx (0, Y) with --phase-cta Y (a split step's pass 0
+// runs no piece 0: give Y = 1 to see it).
 // Exit code 0 only when every case is under its error threshold and nothing is NaN.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,6 +49,7 @@ void set_test_backward_path(int path);  // qla::sm90::backward: 1 the chunked ba
 void set_test_step_min_piece(int chunks);  // the fused backward's shortest piece (0: its own; -1: the forward's plan)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
+void test_set_phase_cta(int y);  // the phase timers record the CTA of blockIdx (0, y) (default 0)
 #endif
 // With tm set, also the backward's T' images (8 KiB per region).
 qla::Status test_run_inverse(const qla::GdnForwardParams& p, void* regions, void* tm = nullptr);
@@ -1473,6 +1477,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--states") do_states = true;
     if (std::string(argv[i]) == "--reverse-bench") do_reverse_bench = true;
     if (std::string(argv[i]) == "--bwd-lib") do_bwd_lib = true;
+#ifdef QLA_FUSED_PROFILE
+    if (std::string(argv[i]) == "--phase-cta" && i + 1 < argc) qla::sm90::test_set_phase_cta(std::atoi(argv[++i]));
+#endif
     if (std::string(argv[i]) == "--bwd-paths") do_bwd_paths = true;
     if (std::string(argv[i]) == "--bwd-one" && i + 1 < argc) bwd_one_row = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--reverse-profile" && i + 1 < argc) reverse_profile_row = std::atoi(argv[++i]);
