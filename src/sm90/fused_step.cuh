@@ -27,7 +27,9 @@
 //   K (WG2): Z and U''; dU' (fp16 tile) from the register operand Kd' and the two tiles; dv; with
 //      dk, after dv, the rest of the gradients (dk, dbeta, dg) in the tiles the chain has left.
 //   S (WG3): dS^T (128 x 128 fp32 accumulators, 128 registers a thread) across the chunks; Qg'
-//      and D' (fp16 copies of q and dO); the fp16 copy dSn' the next chunk's dU reads.
+//      and D' (fp16 copies of q and dO; in a chunk without gradients A forms Qg' and K forms D',
+//      so that S's serial work there is the chain's alone); the fp16 copy dSn' the next chunk's
+//      dU reads.
 // Operands with the keys' exponents ek (K' = diag(2^ek) K, unit rows; inverse.cuh) and per-tile
 // powers of two (units e*) so that every 16-bit tile stays inside fp16's range; the accumulators
 // are fp32 and change units by exact powers of two:
@@ -89,11 +91,11 @@ struct StepCfg {
   static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
   static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tail_ready, tb_ready
-  static constexpr int kBars = 2 * kStages + 18;
-  static constexpr size_t kSmem = 1024 + kBar + 160;  // (1 KiB of alignment slack first)
+  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tail_ready, tb_ready, prep_ready
+  static constexpr int kBars = 2 * kStages + 19;
+  static constexpr size_t kSmem = 1024 + kBar + 168;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kBars * 8 <= 160, "the mbarriers over their part");
+  static_assert(kBars * 8 <= 168, "the mbarriers over their part");
   static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
@@ -203,6 +205,44 @@ __device__ __forceinline__ void scale_rows(uint32_t src, uint32_t dst, int wt, F
     const uint32_t b = run_byte(wt, r);
     sts128(dst + b, scaled_run<T, E>(lds_u128(src + b), factor(run_row(b))));
   }
+}
+
+// S's two fp16 copies of a chunk's inputs for D'^T Qg'. S forms them where the chunk has gradients
+// (A's dP and dq share their tiles); elsewhere (pass 0, warm-ups) A forms Qg' and K forms D', so
+// that S's own serial work is the chain's alone (docs/design.md bwd-57).
+// Qg''s unit eg: |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05 (a bound from the gates'
+// query exponents, so S and A find the same eg).
+__device__ __forceinline__ int qg_unit(const StepGates& gt, float scale, int len, int wt) {
+  return step_unit(fabsf(scale) * 1.5f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
+}
+// Qg' = 2^eg scale diag(e^gamma) Q (fp16, not the input type: in bf16 its rounding runs down the
+// chain, dg and dh0 ~3x worse in bench/fused_reverse_model.py).
+template <class T>
+__device__ __forceinline__ void form_qg(const uint8_t* stb, uint8_t* sm, const StepGates& gt, float scale, int eg, int wt) {
+  const float* egv = gt.eg();
+  const float sc = scale * pow2c(eg);
+  scale_rows<T, cutlass::half_t>(smem_u32(stb + StepCfg::kQ), smem_u32(sm + StepCfg::kQg), wt, [&](int row) { return egv[row] * sc; });
+}
+// D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows (a
+// warpgroup reduction on named barrier bar, red's slots picked by flip); returns ed.
+template <class T>
+__device__ __forceinline__ int form_d(const uint8_t* stb, uint8_t* sm, float* red, int wt, int bar, int flip) {
+  const uint32_t src = smem_u32(stb + StepCfg::kO), dst = smem_u32(sm + StepCfg::kD);
+  float m = 0.f;
+  #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
+  for (int r = 0; r < 8; ++r) {
+    const uint4 u = lds_u128(src + run_byte(wt, r));  // (rows past the end: zeros)
+    const uint32_t* pu = &u.x;
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = unpack2<T>(pu[i]);
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  const int ed = step_unit(wg_max(m, red, wt, bar, flip));
+  const float sc = pow2c(ed);
+  scale_rows<T, cutlass::half_t>(src, dst, wt, [&](int) { return sc; });
+  return ed;
 }
 
 // wt through an empty volatile asm: the coordinates and shared-memory addresses derived from it
@@ -420,6 +460,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* mb_ready = vkb_ready + 1;     // A: dMb'' and em, its dbeta and dg rows and columns (chunks with dk)
   uint64_t* tail_ready = mb_ready + 1;    // Z: the stage's rows past the end zeroed (a partial chunk)
   uint64_t* tb_ready = tail_ready + 1;    // S: Tb'' in the stage's Tu' slot and ub (chunks with dk)
+  uint64_t* prep_ready = tb_ready + 1;    // A and K: Qg' and D' (and ed) of a chunk without gradients
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -445,6 +486,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(mb_ready, 128);
     mbar_init(tail_ready, 96);
     mbar_init(tb_ready, 128);
+    mbar_init(prep_ready, 2 * 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -604,10 +646,21 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
       mbar_arrive(pg_ready);
+      if (!grads) {  // Qg' for S (form_qg) once S's last D'^T Qg' has read the tile
+        if (c > 0) mbar_wait(qg_free, (c - 1) & 1);
+        form_qg<T>(stb, sm, gt, p.scale, qg_unit(gt, p.scale, len, wt), wt);
+        fence_async_smem();
+        mbar_arrive(prep_ready);
+      }
       QLA_PHASE(3);
-      // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in the tile of W'; S's last product has
-      // read the previous W' once dSn' of this chunk is ready.
-      mbar_wait(dsn_ready, c & 1);
+      // W' = -2^-et Tu' Kw, Kw = diag(e^gamma) K (raw K) in the tile of W', once the previous
+      // chunk's readers of that tile are done: S's last product (du_free), or with dk K's tail as
+      // well (dv's store, dW'''; K frees dSn' after them, so dSn' of this chunk being ready says it).
+      // Not waiting for dSn' takes W' off the chain's path where nothing reads the tile late.
+      if (c > 0) {
+        if (step_dk(c - 1)) mbar_wait(dsn_ready, c & 1);
+        else mbar_wait(du_free, (c - 1) & 1);
+      }
       QLA_PHASE(4);
       {
         const float* eg = gt.eg();
@@ -645,6 +698,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         if (sdot) {
           // dg: e^Gamma <dSn, S> (B33) = e^Gamma 2^-en <dSn', S'>: dSn' (fp16) and the S' image have the
           // same (v, d) layout, so the pairs are the same bytes of both; four warp partials for K.
+          mbar_wait(dsn_ready, c & 1);  // (W' may not have waited for it)
           const uint32_t sa = smem_u32(sm + Cfg::kDSn) + 16u * fresh(wt), sb = smem_u32(sm + Cfg::kS) + 16u * wt;
           float sum = 0.f;
           #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
@@ -935,6 +989,13 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         beta_bits = load_bits(p.beta, p.b_dt, tile.b * p.sb[0] + (tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC + wt) * p.sb[1] + tile.hv);
       wait_stage(c, len);
       QLA_PHASE(0);
+      if (!step_grads(c)) {  // D' and ed for S (form_d) once S's last D'^T Qg' has read the tile
+        if (c > 0) mbar_wait(qg_free, (c - 1) & 1);
+        const int ed = form_d<T>(stb, sm, fmisc + kMiscRedK, wt, kBarStepK, flip++);
+        if (wt == 0) misc[kMiscEd] = ed;
+        fence_async_smem();
+        mbar_arrive(prep_ready);
+      }
       QLA_PHASE(1);
       if (step_grads(c)) {
         // Z = V - diag(e^gamma) K S (rows past the end zero: v and k are), Z' = 2^ez Z (fp16) in the tile of U
@@ -1011,6 +1072,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         Tensor rO = thrG.partition_fragment_B(tT(stb, Cfg::kO, typename LT::DTok_MN{}));
         gemm_sync(mmaG, thrG.partition_fragment_A(tT(sm, Cfg::kPg, typename LT::TokTok_MN{})), rO, accK, GMMA::ScaleOut::Zero);
       }
+      // A chunk that stores no dv and forms no dk (pass 0, a warm-up) reads the stage no more: its
+      // release here lets P load the next chunk under this one's chain (dU', S's dU'^T W').
+      const bool dkc = step_dk(c);
+      const bool dv_out = role.out && c >= role.nwarm && dv;
+      const bool chain_only = !dv_out && !dkc;
+      if (chain_only) mbar_arrive(&empty[c % kStages]);
       QLA_PHASE(4);
       mbar_wait(dsn_ready, c & 1);
       QLA_PHASE(5);
@@ -1036,18 +1103,16 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       wg_bar(kBarStepK);  // dU' written by every thread before the dv product reads it
       mbar_arrive(du_ready);
       QLA_PHASE(7);
-      const bool dkc = step_dk(c);
       if (!dkc) mbar_arrive(dsn_free);  // K's reads of dSn' are done (with dk: dK_d, at the chunk's end)
-      // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), after a warm-up.
-      Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
-      {
-        Tensor rTuT = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
-        gemm_sync(mmaV, rTuT, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), accV, GMMA::ScaleOut::Zero);
-      }
-      const float dvsc = pow2c(-(gt.et() + en + eu));
-      if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
-      const bool dv_out = role.out && c >= role.nwarm && dv;
+      // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), only where it is stored.
       if (dv_out) {
+        Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
+        {
+          Tensor rTuT = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
+          gemm_sync(mmaV, rTuT, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), accV, GMMA::ScaleOut::Zero);
+        }
+        const float dvsc = pow2c(-(gt.et() + en + eu));
+        if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
         // dv into a tile once S's product and every K warp's have read it (dU''s, or with dk W''s:
         // dU' is read again); a full chunk then goes out by two bulk tensor stores, whose reads of
         // the tile end before the tile's next write, a partial one by generic stores.
@@ -1364,39 +1429,21 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     const int len = chunk_len(c);
     wait_stage(c, len);
     QLA_PHASE(0);
-    // Qg' = 2^eg scale diag(e^gamma) Q; |scale e^gamma_i q_i| <= |scale| 2^(1/2 - eq_i) x 1.05.
-    // (fp16, not the input type: in bf16 its rounding runs down the chain, dg and dh0 ~3x worse
-    // in bench/fused_reverse_model.py.)
-    const int eg = step_unit(fabsf(p.scale) * 1.5f * pow2c(-min_qexp(gt.qexp(), len, wt & 31)));
-    {
-      const float* egv = gt.eg();
-      const float sc = p.scale * pow2c(eg);
-      scale_rows<T, H>(smem_u32(stb + Cfg::kQ), smem_u32(sm + Cfg::kQg), wt, [&](int row) { return egv[row] * sc; });
-    }
-    // D' = 2^ed dO (fp16; rows past the end zero), ed from max |dO| over the chunk's rows, once
-    // A's dP has read the last one.
+    // Qg' and D' (form_qg, form_d): S's own in a chunk with gradients, once A's dP has read the
+    // last D'; else A's and K's (prep_ready), read here only. Their units eg and ed either way.
+    const int eg = qg_unit(gt, p.scale, len, wt);
     int ed;
-    if (c > 0) mbar_wait(d_free, (c - 1) & 1);
-    {
-      const uint32_t src = smem_u32(stb + Cfg::kO), dst = smem_u32(sm + Cfg::kD);
-      float m = 0.f;
-      #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
-      for (int r = 0; r < 8; ++r) {
-        const uint4 u = lds_u128(src + run_byte(wt, r));  // (rows past the end: zeros)
-        const uint32_t* pu = &u.x;
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = unpack2<T>(pu[i]);
-          m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
-      }
-      ed = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
-      const float sc = pow2c(ed);
-      scale_rows<T, H>(src, dst, wt, [&](int) { return sc; });
+    if (step_grads(c)) {
+      form_qg<T>(stb, sm, gt, p.scale, eg, wt);
+      if (c > 0) mbar_wait(d_free, (c - 1) & 1);
+      ed = form_d<T>(stb, sm, fmisc + kMiscRedS, wt, kBarStepS, flip++);
+      if (wt == 0) misc[kMiscEd] = ed;
+      fence_async_smem();
+      wg_bar(kBarStepS);  // Qg' and D' written by every thread before the product reads them
+    } else {
+      mbar_wait(prep_ready, c & 1);  // (the chunks without gradients come first: c counts them)
+      ed = misc[kMiscEd];
     }
-    if (wt == 0) misc[kMiscEd] = ed;
-    fence_async_smem();
-    wg_bar(kBarStepS);  // Qg' and D' written by every thread before the product reads them
     mbar_arrive(d_ready);
     scale_acc(gt.eG() * pow2c(eg + ed - a));
     mbar_arrive(&empty[c % kStages]);  // S's reads of the stage are done (D' and Qg' are S's own)
