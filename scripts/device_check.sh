@@ -320,27 +320,37 @@ fi
 snap
 
 if want step-prof; then
-  # The fused reverse step (issue 14, test builds): `--step` on the first binary of STEP_BINS
-  # (default .ab/step; build each with -DQLA_SM90_TEST_HOOKS -lineinfo here and carry them), the
-  # step's `--reverse-bench` alternated twice over STEP_BINS, then ncu of the first at 16/32 8192x4
-  # (bench row 1, the step with every gradient): warp states and the per-instruction stall table
-  # ($OUT/step_sass.csv.xz; by source line and role: scripts/sass_stalls.py with the same binary).
+  # The library's fused backward, its reverse step's pass 1 (issue 14, test builds): `--bwd-lib`
+  # and `--step` on the first binary of STEP_BINS (default .ab/step; build each with
+  # -DQLA_SM90_TEST_HOOKS -lineinfo here and carry them), then ncu of the step's second launch
+  # (pass 1 of a split step; the only launch of an unsplit one is the first, STEP_PROF_SKIP=0) in
+  # `--bwd-one STEP_PROF_ROW` (default 17: 8/16 1x32768): scheduler and warp states, the stall
+  # reasons per issued instruction, and the per-instruction stall table ($OUT/step_sass.csv.xz;
+  # by source line and role: scripts/sass_stalls.py with the same binary). Kernel durations side
+  # by side: scripts/bwd_kernel_ab.sh.
   bins=(${STEP_BINS:-.ab/step})
   {
-    echo "== ${bins[0]} --step"
-    timeout 150 "${bins[0]}" --step 2>&1 | tail -20
-    for round in 1 2; do
-      for b in "${bins[@]}"; do
-        echo "== $b --reverse-bench (round $round)"
-        timeout 120 "$b" --reverse-bench 2>&1 | grep bench-reverse
-      done
+    for m in --bwd-lib --step; do
+      echo "== ${bins[0]} $m"
+      timeout 150 "${bins[0]}" $m 2>&1 | tail -3
     done
     rm -f /tmp/qla_step.ncu-rep
     timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats --section SourceCounters \
-      --import-source no -k regex:gdn_bwd_fused_step --launch-count 1 -o /tmp/qla_step "${bins[0]}" --reverse-profile 1 \
-      > "$LOGS/step_ncu_run.txt" 2>&1
+      --import-source no -k regex:gdn_bwd_fused_step --launch-skip "${STEP_PROF_SKIP:-1}" --launch-count 1 \
+      -o /tmp/qla_step "${bins[0]}" --bwd-one "${STEP_PROF_ROW:-17}" > "$LOGS/step_ncu_run.txt" 2>&1
     ncu --import /tmp/qla_step.ncu-rep --print-details all > "$LOGS/step_ncu.txt" 2>&1
     grep -E "Issued Warp|Eligible Warps|Warp Cycles Per Issued|cycles being stalled|represents about" "$LOGS/step_ncu.txt" | head -12
+    # The stall reasons, cycles per issued instruction (the section's metrics on the raw page).
+    ncu --import /tmp/qla_step.ncu-rep --page raw --csv 2>/dev/null > "$LOGS/step_ncu_raw.csv"
+    python3 - "$LOGS/step_ncu_raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) >= 3:
+    head, vals = rows[0], rows[-1]
+    st = [(h, v) for h, v in zip(head, vals) if h.startswith("smsp__average_warps_issue_stalled_") and h.endswith("_per_issue_active.ratio")]
+    for h, v in sorted(st, key=lambda x: -float(x[1].replace(",", "") or 0))[:14]:
+        print(f"{h[len('smsp__average_warps_issue_stalled_'):-len('_per_issue_active.ratio')]:<24} {v}")
+PY
     ncu --import /tmp/qla_step.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -9 > "$OUT/step_sass.csv.xz"
   } 2>&1 | tee "$LOGS/step_prof.log"
 fi
