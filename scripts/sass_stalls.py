@@ -14,6 +14,10 @@ long-scoreboard samples on mbarrier waits and 46% of A's samples on its wait for
     python3 scripts/sass_stalls.py step_sass.csv.xz .ab/step --kernel 'fused_stepIN7cutlass10bfloat16' \\
         --source fused_step.cuh --roles P:375 A:432 K:771 S:1217 --top 20
 
+With --hot N it also counts each role's hot code, the instructions executed at least N times (once a
+chunk and warp): in the forty-fifth session A 3,420, K 3,506, S 1,454 (~133 KiB), over the second
+instruction-cache level, with `no_instruction` 36% of A's samples (docs/design.md bwd-58).
+
 Build the binary with -lineinfo; nvdisasm and cuobjdump as for scripts/sass_spills.py.
 """
 import argparse
@@ -40,6 +44,9 @@ def main() -> None:
     ap.add_argument("--source", required=True, help="file name whose lines are reported")
     ap.add_argument("--roles", nargs="*", default=[], metavar="NAME:FIRST_LINE")
     ap.add_argument("--top", type=int, default=25, help="lines shown, by all samples")
+    ap.add_argument("--hot", type=int, default=0, metavar="MIN_EXECUTIONS",
+                    help="also count each role's hot code: the instructions executed at least this many times "
+                         "(the warps of a role times the chunks, e.g. 30000 for pass 1 of --bwd-one 17)")
     args = ap.parse_args()
 
     opener = lzma.open if args.table.endswith(".xz") else open
@@ -61,6 +68,8 @@ def main() -> None:
                 name = n
         return name
 
+    hot = collections.Counter()  # (role) -> instructions executed at least args.hot times
+    hot_line = collections.Counter()
     total_key = "Warp Stall Sampling (All Samples)"
     by_line, by_role = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
     unmatched = 0
@@ -73,6 +82,9 @@ def main() -> None:
             v = int(r[cols[k]] or 0) if k in cols else 0
             by_line[ln][k] += v
             by_role[role(ln)][k] += v
+        if args.hot and int(r[cols["Instructions Executed"]] or 0) >= args.hot:
+            hot[role(ln)] += 1
+            hot_line[ln] += 1
     print(f"{len(data)} instructions, {unmatched} not in the disassembly")
     hdr = ["all"] + [k.replace("stall_", "") for k in REASONS]
     print(f"{'role':>6} " + " ".join(f"{h:>10}" for h in hdr))
@@ -81,6 +93,15 @@ def main() -> None:
     print(f"{'line':>6} {'role':>4} " + " ".join(f"{h:>10}" for h in hdr))
     for ln, c in sorted(by_line.items(), key=lambda kv: -kv[1][total_key])[: args.top]:
         print(f"{str(ln):>6} {role(ln):>4} " + " ".join(f"{c[k]:>10}" for k in [total_key] + REASONS))
+    if args.hot:
+        # Every scheduler runs a warp of each role, so the roles' hot code shares its instruction cache
+        # (~34 KiB) and the SM's second level (~128 KiB; docs/design.md fused-35), 16 bytes an instruction.
+        n = sum(hot.values())
+        print(f"hot code (executed >= {args.hot} times): {n} instructions ({n * 16 / 1024:.1f} KiB); by role: " +
+              ", ".join(f"{k} {v}" for k, v in sorted(hot.items())))
+        print(f"{'line':>6} {'role':>4} {'hot':>6}")
+        for ln, c in hot_line.most_common(args.top):
+            print(f"{str(ln):>6} {role(ln):>4} {c:>6}")
 
 
 if __name__ == "__main__":
