@@ -141,14 +141,29 @@ struct Lay {
   using TokV_K = decltype(tile_to_shape(K64Atom{}, Shape<_64, _128>{}));                       // (tok, v)
   using VTok_MN = decltype(tile_to_shape(MN64Atom{}, Shape<_128, _64>{}, Step<_2, _1>{}));     // (v, tok)
 };
-// Byte of element (row, col) of a (tok, 128) 16-bit TokD_K tile: 64-column boxes of 8 KiB, rows of
-// 128 bytes, a row's 16-byte runs swizzled by its low three bits (the layout test checks it against
-// Lay<T>::TokD_K). Kernels that index such a tile per element use it instead of CuTe's coordinate
+// Byte of element (row, col) of a K-major 16-bit tile with 128-byte swizzle: rows of 128 bytes,
+// 64-column boxes of box bytes (8 KiB for 64 rows: TokD_K, TokTok_K; 16 KiB for 128: QK_K), a row's
+// 16-byte runs swizzled by its low three bits (the layout test checks it against the CuTe
+// layouts). Kernels that index such a tile per element use it instead of CuTe's coordinate
 // tensors, whose per-element addresses the compiler hoists and holds across a loop.
-__host__ __device__ constexpr uint32_t tokd_byte(int row, int col) {
-  return 8192u * static_cast<uint32_t>(col >> 6) + 128u * static_cast<uint32_t>(row) +
+__host__ __device__ constexpr uint32_t tokd_byte(int row, int col, uint32_t box = 8192u) {
+  return box * static_cast<uint32_t>(col >> 6) + 128u * static_cast<uint32_t>(row) +
          16u * static_cast<uint32_t>(((col >> 3) & 7) ^ (row & 7)) + 2u * static_cast<uint32_t>(col & 7);
 }
+// The x4 ldmatrix / stmatrix address of lane l of warp w over such a tile (tokd_byte's bytes), for
+// the 8 x 8 blocks of rows 16 w .. 16 w + 15 and columns 8 tb .. 8 tb + 15 (tb even): lane l
+// addresses row 16 w + 8 (m & 1) + l % 8 of column block tb + m / 2, m = l / 8, formed once; each
+// block pair then costs one add of an immediate (tb + m / 2 has no carry into bit 3: tb is even).
+struct TokdLane {
+  uint32_t base, sw;
+  __host__ __device__ __forceinline__ TokdLane(uint32_t tile, int wt) {
+    const int lane = wt & 31, mtx = lane >> 3;
+    base = tile + 128u * static_cast<uint32_t>(16 * (wt >> 5) + 8 * (mtx & 1) + (lane & 7));
+    sw = static_cast<uint32_t>((mtx >> 1) ^ (lane & 7));
+  }
+  template <uint32_t kBox = 8192u>
+  __host__ __device__ __forceinline__ uint32_t at(int tb) const { return base + kBox * static_cast<uint32_t>(tb >> 3) + 16u * ((static_cast<uint32_t>(tb) & 7u) ^ sw); }
+};
 
 // Element offset of (i, j) in a swizzled image. The GMMA layouts swizzle the shared-memory
 // address bits, so evaluating the layout alone would miss the swizzle: go through a tensor over a

@@ -319,7 +319,7 @@ __device__ __forceinline__ void aux_issue_qk(const cutlass::half_t* sQK, int wt,
 
 // The gated scores from acc = Q K^T (waited for): A_ij = e^(gamma_i - gamma_j) acc_ij for
 // j <= i < len, else 0, into rA16 (fp16: a register A operand of K = 64, or a 64 x 64
-// accumulator's elements for stmatrix_rows). The gate as a clamped difference (no overflow).
+// accumulator's elements for stmatrix_tokd). The gate as a clamped difference (no overflow).
 using AuxA16 = decltype(make_tensor<cutlass::half_t>(Shape<Shape<_2, _2, _2>, _1, _4>{}));
 __device__ __forceinline__ void aux_gate_scores(const float* sGam, int len, int wt, const AuxAcc& acc, AuxA16& rA16) {
   using H = cutlass::half_t;
@@ -373,18 +373,19 @@ __device__ __forceinline__ void product_sync(MMA& mma, RA& rA, const RB& rB, Acc
   gemm_sync(mma, rA, rB, acc, first);
 }
 
-// A warpgroup's 64 x N fp32 accumulator rows as E (fp16 unless named) into the K-major (row,
-// column) tensor t, by stmatrix: element i of the accumulator becomes value(i). Lane l addresses
-// row l % 8 of block l / 8 = (row half mtx & 1, column block tb + mtx / 2), 16 contiguous bytes.
-template <int N, class E = cutlass::half_t, class Tens, class Value>
-__device__ __forceinline__ void stmatrix_rows(Tens& t, int wt, Value value) {
-  const int lane = wt & 31, w = wt >> 5, mtx = lane >> 3;
+// A warpgroup's 64 x N fp32 accumulator rows as E (fp16 unless named) into the K-major 16-bit
+// tile at shared address tile (tokd_byte's bytes, 64-column boxes of kBox bytes), by stmatrix:
+// element i of the accumulator becomes value(i). TokdLane's addresses: one add a store, where
+// CuTe's coordinate tensors cost ~35 address instructions (the step's hot code, design.md bwd-59).
+template <int N, class E = cutlass::half_t, uint32_t kBox = 8192u, class Value>
+__device__ __forceinline__ void stmatrix_tokd(uint32_t tile, int wt, Value value) {
+  const TokdLane ln(tile, wt);
   CUTE_UNROLL
   for (int tb = 0; tb < N / 8; tb += 2) {  // columns 8 tb .. 8 tb + 15: accumulators 4 tb .. 4 tb + 7
     uint32_t rr[4];
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q) rr[q] = pack2<E>(value(4 * tb + 2 * q), value(4 * tb + 2 * q + 1));
-    stmatrix4(smem_u32(&t(16 * w + 8 * (mtx & 1) + (lane & 7), 8 * (tb + (mtx >> 1)))), rr[0], rr[1], rr[2], rr[3]);
+    stmatrix4(ln.at<kBox>(tb), rr[0], rr[1], rr[2], rr[3]);
   }
 }
 
@@ -742,8 +743,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         QLA_PHASE(3);
         aux_scores_w(sQK, sTW, sGam, len, wt, acc QLA_PHASE_PASS);
         // W as fp16 into rows 64-127 of the Tu|W operand.
-        Tensor tW = local_tile(make_tensor(make_smem_ptr(sTW), TW_K{}), Shape<_64, _64>{}, make_coord(1, 0));
-        stmatrix_rows<64>(tW, wt, [&](int i) { return acc(i); });
+        stmatrix_tokd<64>(smem_u32(sTW) + 8192u, wt, [&](int i) { return acc(i); });  // (TW_K: rows 64-127 a box on)
         fence_async_smem();
       }
       mbar_arrive(&aready[c % kStages]);

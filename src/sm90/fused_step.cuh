@@ -177,10 +177,15 @@ struct GateFactors {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
       dh[h] = r0 + 8 * h < len ? c0 - r0 - 8 * h : 1 << 20;
     }
+    // Columns j, j + 1 (c0 even) a pair: one 8-byte load of gamma, one 2-byte load of the exponents.
+    static_assert((kInvKexp - kInvGam) % 2 == 0, "the key exponents' pairs must be 2-byte aligned");
     CUTE_UNROLL
-    for (int b = 0; b < 16; ++b) {
-      const int j = c0 + 8 * (b >> 1) + (b & 1);
-      dj[b] = static_cast<float>(u + gt.kexp()[j]) - gt.gam()[j] * kLog2e;
+    for (int b = 0; b < 16; b += 2) {
+      const int j = c0 + 4 * b;
+      const float2 g2 = *reinterpret_cast<const float2*>(gt.gam() + j);
+      const char2 k2 = *reinterpret_cast<const char2*>(gt.kexp() + j);
+      dj[b] = static_cast<float>(u + k2.x) - g2.x * kLog2e;
+      dj[b + 1] = static_cast<float>(u + k2.y) - g2.y * kLog2e;
     }
   }
   template <bool kStrict = false>
@@ -285,18 +290,15 @@ struct TokDPairs {
 };
 
 // A (tok, 128) 16-bit TokD_K tile at shared address tile, read at a 64 x 128 accumulator's element
-// pairs by ldmatrix, four pairs an instruction (the converse of stmatrix_rows; TokDPairs' bytes):
-// f(e, bits) for e = 0, 2, .., 62 in order, bits the pair (e, e + 1) packed. Lane l addresses row
-// 16 w + 8 (m & 1) + l % 8 of column block tb + m / 2, m = l / 8.
+// pairs by ldmatrix, four pairs an instruction (the converse of stmatrix_tokd; TokDPairs' bytes):
+// f(e, bits) for e = 0, 2, .., 62 in order, bits the pair (e, e + 1) packed (TokdLane's addresses).
 template <class F>
 __device__ __forceinline__ void tokd_pairs(uint32_t tile, int wt, F f) {
-  const int lane = wt & 31, mtx = lane >> 3;
-  const uint32_t base = tile + 128u * (16 * (wt >> 5) + 8 * (mtx & 1) + (lane & 7));
-  const uint32_t sw = static_cast<uint32_t>((mtx >> 1) ^ (lane & 7));
+  const TokdLane ln(tile, wt);
   CUTE_UNROLL
   for (int tb = 0; tb < 16; tb += 2) {
     uint32_t r[4];
-    ldsm_x4(base + 8192u * (tb >> 3) + 16u * ((tb & 7) ^ sw), r);
+    ldsm_x4(ln.at(tb), r);
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q) f(4 * tb + 2 * q, r[q]);
   }
@@ -347,9 +349,29 @@ __device__ __forceinline__ void store_tile_rows(uint32_t tile, T* base, int64_t 
     }
   }
 }
+// Column sums of a warp's 64 x 64 accumulator block over its eight row groups (lanes l ^ 4, l ^ 8,
+// l ^ 16) by recursive halving: at the step of lane bit O each lane keeps the half of its N sums
+// that the bit selects and adds the partner's copy of it, so that 8 + 4 + 2 shuffles replace 3 x 16
+// (the same pairs added in the same order: the bits of a butterfly). The last two land in
+// colp[col0], colp[col0 + 1]; col0 follows the kept half (b -> column 8 (b / 2) + b % 2).
+template <int N, int O>
+__device__ __forceinline__ void halve_columns(const float (&cs)[N], int lane, float* colp, int col0) {
+  if constexpr (N == 2) {
+    colp[col0] = cs[0];
+    colp[col0 + 1] = cs[1];
+  } else {
+    const bool hi = (lane & O) != 0;
+    float kept[N / 2];
+    CUTE_UNROLL
+    for (int i = 0; i < N / 2; ++i) {
+      const float send = hi ? cs[i] : cs[i + N / 2];
+      kept[i] = (hi ? cs[i + N / 2] : cs[i]) + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    halve_columns<N / 2, 2 * O>(kept, lane, colp, col0 + (hi ? 2 * N : 0));
+  }
+}
 // Row sums (rows r0, r0 + 8 of the thread, summed over the quad) and the warp's column sums of
-// a 64 x 64 accumulator (lanes 0 .. 3 write them to colp[64 w + j], w the warp): both in fixed
-// orders (deterministic).
+// a 64 x 64 accumulator (into colp[64 w + j], w the warp): both in fixed orders (deterministic).
 template <class Acc>
 __device__ __forceinline__ float2 rows_and_cols(const Acc& r, float* colp, int wt) {
   float rs[2] = {0.f, 0.f}, cs[16];
@@ -365,14 +387,8 @@ __device__ __forceinline__ float2 rows_and_cols(const Acc& r, float* colp, int w
     rs[0] += __shfl_xor_sync(0xffffffffu, rs[0], o);
     rs[1] += __shfl_xor_sync(0xffffffffu, rs[1], o);
   }
-  CUTE_UNROLL
-  for (int b = 0; b < 16; ++b)
-    CUTE_UNROLL
-    for (int o = 4; o < 32; o <<= 1) cs[b] += __shfl_xor_sync(0xffffffffu, cs[b], o);
   const int lane = wt & 31;
-  if (lane < 4)
-    CUTE_UNROLL
-    for (int b = 0; b < 16; ++b) colp[64 * (wt >> 5) + 2 * lane + 8 * (b >> 1) + (b & 1)] = cs[b];
+  halve_columns<16, 4>(cs, lane, colp, 64 * (wt >> 5) + 2 * (lane & 3));
   return make_float2(rs[0], rs[1]);
 }
 // The largest |acc(e)| of the thread.
@@ -599,17 +615,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
     const float* sBeta = reinterpret_cast<const float*>(sm + Cfg::kBeta);  // (K writes it before vkb_ready)
     auto stageT = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(base + off)), layout); };
-    auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + off)), typename LT::TokTok_K{}); };
     auto thrP = mmaP.get_thread_slice(wt);
     auto thrW = mmaW.get_thread_slice(wt);
     auto thrDP = mmaDP.get_thread_slice(wt);
     auto thrQ = mmaQ.get_thread_slice(wt);
     Tensor cP = thrP.partition_C(make_identity_tensor(Shape<_64, _64>{}));   // (i, j)
     Tensor cY = thrQ.partition_C(make_identity_tensor(Shape<_64, _128>{}));  // (tok, d)
-    Tensor tPg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});
-    Tensor tDA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kPg)), typename LT::TokTok_K{});  // after Pg''
-    Tensor tDQ = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kQg)), typename LT::TokD_K{});   // after Qg'
-    Tensor tW = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
     T* dq = static_cast<T*>(p.dq);
     int flip = 0;  // A's reductions
     QLA_PHASES_SMEM(8, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 256));
@@ -641,7 +652,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       QLA_PHASE(2);
       {
         const GateFactors gf(gt, cP, len, ep, p.scale);
-        stmatrix_rows<64, T>(tPg, fresh(wt), [&](int e) { return gf.scaled(e, accP(e)); });
+        stmatrix_tokd<64, T>(smem_u32(sm) + Cfg::kPg, fresh(wt), [&](int e) { return gf.scaled(e, accP(e)); });
       }
       if (wt == 0) misc[kMiscEp] = ep;
       fence_async_smem();
@@ -678,7 +689,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       wg_bar(kBarStepA);  // every warp's product has read Kw
       {
         const float wsc = -pow2c(-et);
-        stmatrix_rows<128, H>(tW, fresh(wt), [&](int e) { return wsc * accW(e); });
+        stmatrix_tokd<128, H>(smem_u32(sm) + Cfg::kW, fresh(wt), [&](int e) { return wsc * accW(e); });
       }
       fence_async_smem();
       mbar_arrive(w_ready);
@@ -749,7 +760,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
         const float fa = pow2c(ea);
         mbar_wait(du_ready, c & 1);
-        stmatrix_rows<64, T>(tDA, fresh(wt), [&](int e) { return accD(e) * fa; });
+        stmatrix_tokd<64, T>(smem_u32(sm) + Cfg::kPg, fresh(wt), [&](int e) { return accD(e) * fa; });
         if (wt == 0) misc[kMiscEa] = ea;
         fence_async_smem();
         wg_bar(kBarStepA);  // dA'' written by every thread
@@ -771,7 +782,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // bulk tensor stores, whose reads of the tile end before the stage is released (S writes the
         // next Qg' there), a partial one by generic stores (store_tile_rows).
         mbar_wait(qg_free, c & 1);
-        stmatrix_rows<128, T>(tDQ, fresh(wt), [&](int e) { return accQ(e) * inv; });
+        stmatrix_tokd<128, T>(smem_u32(sm) + Cfg::kQg, fresh(wt), [&](int e) { return accQ(e) * inv; });
         if (p.dq_tma && len == kC) {
           fence_async_smem();
           wg_bar(kBarStepA);
@@ -861,8 +872,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               }
               const int ex = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
               const float fx = pow2c(ex);
-              Tensor tX = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + kX)), typename LH::TokTok_K{});
-              stmatrix_rows<64, H>(tX, fresh(wt), [&](int e) { return accX(e) * fx; });
+              stmatrix_tokd<64, H>(smem_u32(sm) + kX, fresh(wt), [&](int e) { return accX(e) * fx; });
               fence_async_smem();
               wg_bar(kBarStepA);  // X'' written
               // dL = -strict(2^-ex X'' T'^T) diag(2^ek); dM = E o dL (j < i < len).
@@ -918,8 +928,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             }
             em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
             const float fm = pow2c(em);
-            Tensor tMb = tileTT(kMb);
-            stmatrix_rows<64, T>(tMb, fresh(wt), [&](int e) { return accX(e) * fm; });
+            stmatrix_tokd<64, T>(smem_u32(sm) + kMb, fresh(wt), [&](int e) { return accX(e) * fm; });
           }
           if (wt == 0) misc[kMiscEm] = em;
           fence_async_smem();
@@ -946,7 +955,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto mmaW = make_tiled_mma(GMMA::ss_op_selector<H, H, float, Shape<_64, _128, _16>, GMMA::Major::K, GMMA::Major::MN>());
     auto thrY = mmaY.get_thread_slice(wt);
     auto thrW = mmaW.get_thread_slice(wt);
-    Tensor tU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kU)), typename LH::TokD_K{});
     int flip = 0;  // K's reductions
     auto mmaD = make_tiled_mma(SM90_64x128x16_F32F16F16_RS<GMMA::Major::K, GMMA::Major::K>{});  // Kd' dSn' (B (v, d))
     auto mmaG = make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, _128, _16>, GMMA::Major::MN, GMMA::Major::MN>());
@@ -954,8 +962,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     auto thrD = mmaD.get_thread_slice(wt);
     auto thrG = mmaG.get_thread_slice(wt);
     auto thrV = mmaV.get_thread_slice(wt);
-    Tensor tDU = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDU)), typename LH::TokD_K{});
-    Tensor tDV = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + Cfg::kDU)), typename LT::TokD_K{});  // then dv's
     Tensor rKd = make_tensor<H>(Shape<Shape<_2, _2, _2>, _1, _8>{});  // Kd' (j, d), the accumulator's element order
     T* dv = static_cast<T*>(p.o);
     // dk and dbeta of a chunk with dk (after dv; the header's equations): every product but the
@@ -975,7 +981,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     Tensor cX = thrX.partition_C(make_identity_tensor(Shape<_64, _64>{}));  // (i, j)
     // K's tiles (byte offset off from the CTA's or the stage's base), each from a fresh base (see
     // fresh): addresses and descriptors formed at their use.
-    auto tile16 = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokD_K{}); };
     auto tileTT = [&](uint32_t off) { return make_tensor(make_smem_ptr(reinterpret_cast<T*>(fresh(sm) + off)), typename LT::TokTok_K{}); };
     auto tT = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const T*>(fresh(base) + off)), layout); };
     auto tH = [&](const uint8_t* base, uint32_t off, auto layout) { return make_tensor(make_smem_ptr(reinterpret_cast<const H*>(fresh(base) + off)), layout); };
@@ -1039,7 +1044,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             eu = eb;
           }
           const float f = pow2c(eb);
-          stmatrix_rows<128, H>(tU, fresh(wt), [&](int e) { return acc(e) * f; });
+          stmatrix_tokd<128, H>(smem_u32(fresh(sm)) + Cfg::kU, fresh(wt), [&](int e) { return acc(e) * f; });
           fence_async_smem();
           if (it == 0) wg_bar(kBarStepK);  // Z' written by every thread before the product reads it
         }
@@ -1096,7 +1101,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       const int eu = step_unit(wg_max(abs_max(accK), fmisc + kMiscRedK, wt, kBarStepK, flip++));
       {
         const float f = pow2c(eu);
-        stmatrix_rows<128, H>(tDU, fresh(wt), [&](int e) { return accK(e) * f; });
+        stmatrix_tokd<128, H>(smem_u32(fresh(sm)) + Cfg::kDU, fresh(wt), [&](int e) { return accK(e) * f; });
       }
       if (wt == 0) misc[kMiscEu] = en + eu;  // dU''s units, for S
       fence_async_smem();
@@ -1117,10 +1122,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // dU' is read again); a full chunk then goes out by two bulk tensor stores, whose reads of
         // the tile end before the tile's next write, a partial one by generic stores.
         const uint32_t stg = dkc ? Cfg::kW : Cfg::kDU;
-        Tensor tStg = make_tensor(make_smem_ptr(reinterpret_cast<T*>(sm + stg)), typename LT::TokD_K{});
         mbar_wait(du_free, c & 1);
         wg_bar(kBarStepK);
-        stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accV(e) * dvsc; });
+        stmatrix_tokd<128, T>(smem_u32(sm) + stg, fresh(wt), [&](int e) { return accV(e) * dvsc; });
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         if (p.dv_tma && len == kC) {
           fence_async_smem();
@@ -1164,9 +1168,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int ew = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
         mbar_wait(du_free, c & 1);  // S's product has read W'
         {
-          Tensor tW3 = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kW)), typename LH::TokD_K{});
           const float fw = pow2c(ew);
-          stmatrix_rows<128, H>(tW3, fresh(wt), [&](int e) { return acc(e) * fw; });
+          stmatrix_tokd<128, H>(smem_u32(fresh(sm)) + Cfg::kW, fresh(wt), [&](int e) { return acc(e) * fw; });
         }
         fence_async_smem();
         wg_bar(kBarStepK);  // dW''' written by every thread before the dKb product reads it
@@ -1202,8 +1205,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           else if (it) wg_bar(kBarStepK);  // (every K warp's dVb has read dU')
           if (it) ekb = eb; else evb = eb;
           const float fb = pow2c(eb);
-          Tensor t = tile16(it ? Cfg::kDU : Cfg::kS);
-          stmatrix_rows<128, T>(t, fresh(wt), [&](int e) { return acc(e) * fb; });
+          stmatrix_tokd<128, T>(smem_u32(fresh(sm)) + (it ? Cfg::kDU : Cfg::kS), fresh(wt), [&](int e) { return acc(e) * fb; });
         }
         // For A's X block (dL, dM and dMb''): dVb'' and dKb'', their units, beta (sBeta), and with dg
         // K's <dK_b, K> rows in sdK (kSdK's layout).
@@ -1313,8 +1315,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int64_t t0 = tile.t0 + static_cast<int64_t>(chunk_of(c)) * kC;
         {
           const float f = pow2c(-em);
-          Tensor tStg = tile16(Cfg::kDU);
-          stmatrix_rows<128, T>(tStg, fresh(wt), [&](int e) { return accDK(e) * f; });
+          stmatrix_tokd<128, T>(smem_u32(fresh(sm)) + Cfg::kDU, fresh(wt), [&](int e) { return accDK(e) * f; });
         }
         if (p.dk_tma && len == kC) {
           fence_async_smem();
@@ -1377,7 +1378,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   Tensor accS0 = partition_fragment_C(mmaU, Shape<_64, _128>{});  // dS^T rows v 0 .. 63, units 2^a
   Tensor accS1 = partition_fragment_C(mmaU, Shape<_64, _128>{});  // rows v 64 .. 127
   Tensor cS = thrU.partition_C(make_identity_tensor(Shape<_64, _128>{}));
-  Tensor tDSn = make_tensor(make_smem_ptr(reinterpret_cast<H*>(sm + Cfg::kDSn)), QK_K{});  // (v, d)
   Tensor tDUt = make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kDU)), typename LH::DTok_MN{});  // (v, j)
   Tensor rW = thrU.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kW)), typename LH::DTok_MN{}));
   Tensor rQg = thrU.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const H*>(sm + Cfg::kQg)), typename LH::DTok_MN{}));
@@ -1413,10 +1413,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     for (int e = 0; e < size(accS0); ++e) m = fmaxf(m, fmaxf(fabsf(accS0(e)), fabsf(accS1(e))));
     const int de = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
     const float f = pow2c(de);
-    Tensor t0 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(0, 0));
-    Tensor t1 = local_tile(tDSn, Shape<_64, _128>{}, make_coord(1, 0));
-    stmatrix_rows<128, H>(t0, fresh(wt), [&](int e) { return accS0(e) * f; });
-    stmatrix_rows<128, H>(t1, fresh(wt), [&](int e) { return accS1(e) * f; });
+    // (QK_K: 128 rows, 16 KiB boxes; v 64 .. 127 8 KiB on)
+    stmatrix_tokd<128, H, 16384u>(smem_u32(sm) + Cfg::kDSn, fresh(wt), [&](int e) { return accS0(e) * f; });
+    stmatrix_tokd<128, H, 16384u>(smem_u32(sm) + Cfg::kDSn + 8192u, fresh(wt), [&](int e) { return accS1(e) * f; });
     if (wt == 0) misc[kMiscEn] = a + de;
     fence_async_smem();
     mbar_arrive(dsn_ready);

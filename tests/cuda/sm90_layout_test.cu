@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "sm90/common.cuh"
+#include "sm90/fused_chunks.cuh"
 #include "sm90/split_plan.cuh"
 
 namespace {
@@ -197,10 +198,33 @@ int row_box_violations(T* base) {
       bad += !in_row(offset<typename L::TokD_K>(base, r, c), r, c);
       bad += 2 * offset<typename L::TokD_K>(base, r, c) != static_cast<int>(tokd_byte(r, c));  // the kernels' formula
     }
-    for (int c = 0; c < kC; ++c) bad += !in_row(offset<typename L::TokTok_K>(base, r, c), r, c);
+    for (int c = 0; c < kC; ++c) {
+      bad += !in_row(offset<typename L::TokTok_K>(base, r, c), r, c);
+      bad += 2 * offset<typename L::TokTok_K>(base, r, c) != static_cast<int>(tokd_byte(r, c));
+    }
     for (int v = 0; v < 32; ++v) {
       const int byte = 2 * offset<typename RecLay<T, 32>::VTok_MN>(base, v, r);
       bad += byte < 64 * r || byte >= 64 * r + 64;
+    }
+  }
+  return bad;
+}
+// The 128-row K-major tiles (QK_K, the reverse step's dSn'; TW_K, the forward's Tu|W): tokd_byte
+// with 16 KiB boxes. TokdLane, the stmatrix / ldmatrix lane addresses of stmatrix_tokd and
+// tokd_pairs: lane l of warp w at row 16 w + 8 (m & 1) + l % 8, column 8 (tb + m / 2), m = l / 8,
+// for both box sizes.
+int tall_tile_violations(cutlass::half_t* base) {
+  int bad = 0;
+  for (int r = 0; r < 128; ++r) {
+    for (int c = 0; c < 128; ++c) bad += 2 * offset<QK_K>(base, r, c) != static_cast<int>(tokd_byte(r, c, 16384u));
+    for (int c = 0; c < 64; ++c) bad += 2 * offset<TW_K>(base, r, c) != static_cast<int>(tokd_byte(r, c, 16384u));
+  }
+  for (int wt = 0; wt < 128; ++wt) {
+    const int lane = wt & 31, m = lane >> 3, row = 16 * (wt >> 5) + 8 * (m & 1) + (lane & 7);
+    const TokdLane ln(4096u, wt);
+    for (int tb = 0; tb < 16; tb += 2) {
+      bad += ln.at<8192u>(tb) != 4096u + tokd_byte(row, 8 * (tb + m / 2), 8192u);
+      bad += ln.at<16384u>(tb) != 4096u + tokd_byte(row, 8 * (tb + m / 2), 16384u);
     }
   }
   return bad;
@@ -211,7 +235,8 @@ int main() {
   void* raw = std::aligned_alloc(1024, 1024);
   const int bf = count_mismatches(static_cast<cutlass::bfloat16_t*>(raw)) +
                  row_box_violations(static_cast<cutlass::bfloat16_t*>(raw));
-  const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw)) + row_box_violations(static_cast<cutlass::half_t*>(raw));
+  const int fp = count_mismatches(static_cast<cutlass::half_t*>(raw)) + row_box_violations(static_cast<cutlass::half_t*>(raw)) +
+                 tall_tile_violations(static_cast<cutlass::half_t*>(raw));
   std::free(raw);
   const int key = order_key_violations();
   const int pcs = piece_violations();
