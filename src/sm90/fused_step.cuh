@@ -306,14 +306,17 @@ __device__ __forceinline__ void tokd_pairs(uint32_t tile, int wt, F f) {
 
 // <acc_i, X_i> over the columns of a 64 x 128 accumulator, X a (tok, 128) TokD_K tile of type T
 // at shared address tile; rows r0 and r0 + 8 of the thread, summed over the quad that holds them
-// in a fixed order.
+// in a fixed order. Per row two FMA chains (the pair's even and odd columns): two instructions a
+// pair, where a product, an FMA and an add were three (the step's hot code, design.md bwd-59).
 template <class T, class Acc>
 __device__ __forceinline__ float2 row_dot(const Acc& acc, uint32_t tile, int wt) {
-  float s[2] = {0.f, 0.f};
+  float ev[2] = {0.f, 0.f}, od[2] = {0.f, 0.f};
   tokd_pairs(tile, wt, [&](int e, uint32_t bits) {
     const float2 x = unpack2<T>(bits);
-    s[acc_half(e)] += acc(e) * x.x + acc(e + 1) * x.y;
+    ev[acc_half(e)] = fmaf(acc(e), x.x, ev[acc_half(e)]);
+    od[acc_half(e)] = fmaf(acc(e + 1), x.y, od[acc_half(e)]);
   });
+  float s[2] = {ev[0] + od[0], ev[1] + od[1]};
   CUTE_UNROLL
   for (int o = 1; o < 4; o <<= 1) {
     s[0] += __shfl_xor_sync(0xffffffffu, s[0], o);
