@@ -177,15 +177,10 @@ struct GateFactors {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
       dh[h] = r0 + 8 * h < len ? c0 - r0 - 8 * h : 1 << 20;
     }
-    // Columns j, j + 1 (c0 even) a pair: one 8-byte load of gamma, one 2-byte load of the exponents.
-    static_assert((kInvKexp - kInvGam) % 2 == 0, "the key exponents' pairs must be 2-byte aligned");
     CUTE_UNROLL
-    for (int b = 0; b < 16; b += 2) {
-      const int j = c0 + 4 * b;
-      const float2 g2 = *reinterpret_cast<const float2*>(gt.gam() + j);
-      const char2 k2 = *reinterpret_cast<const char2*>(gt.kexp() + j);
-      dj[b] = static_cast<float>(u + k2.x) - g2.x * kLog2e;
-      dj[b + 1] = static_cast<float>(u + k2.y) - g2.y * kLog2e;
+    for (int b = 0; b < 16; ++b) {
+      const int j = c0 + 8 * (b >> 1) + (b & 1);
+      dj[b] = static_cast<float>(u + gt.kexp()[j]) - gt.gam()[j] * kLog2e;
     }
   }
   template <bool kStrict = false>
