@@ -626,7 +626,9 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 template <class T>
 __device__ __forceinline__ float2 unpack2(uint32_t u) {
   if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+    // A bf16 value is the top half of its fp32: one shift and one mask a pair (the intrinsic
+    // took three instructions a pair in the reverse step's row passes, docs/design.md bwd-60).
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
   } else {
     return __half22float2(*reinterpret_cast<__half2*>(&u));
   }
