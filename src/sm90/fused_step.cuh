@@ -162,20 +162,24 @@ struct StepGates {
 // A thread's gate factors for the gated causal 64 x 64 tiles (Pg'', dA, dM) in the accumulator's
 // element order (rows r0, r0 + 8; columns 8 b + 2 (lane % 4) + {0, 1}), formed once a tile from the
 // stage: scaled(e, x) = 2^(u + ek_j) e^(gamma_i - gamma_j) s x for j <= i < len (j < i with
-// kStrict), else 0. Per element one add, one ex2 and two products: with g <= 0 the exponent is at
-// most u + ek_j on and below the diagonal (no clamp); above it ex2 may overflow, and the select
-// drops it (as K1's L' in inverse.cuh).
+// kStrict), else 0. With g <= 0 the exponent is at most u + ek_j on and below the diagonal; above it
+// ex2 may overflow (as K1's L' in inverse.cuh). The mask is a bound on the exponent instead of a
+// select: min(exponent, 2^16 (i - j) +- 2^15) leaves a kept element's exponent (< 2^15) as it is and
+// drives a dropped one below -2^15, where ex2 flushes to zero. Per element two adds, a minimum,
+// one ex2 and two products, and no compare: a select per element left ptxas short of predicate
+// registers, moving them through general ones (P2R, LOP3; docs/design.md bwd-60).
 struct GateFactors {
+  static constexpr float kMaskScale = 65536.f;
   float gi[2], dj[16], s;  // log2e gamma_i of the rows; u + ek_j - log2e gamma_j of the columns
-  int dh[2];               // c0 - r0 - 8 h: element e keeps j <= i when dh[h] + 8 (e / 4) + e % 2 <= 0
-                           // (rows at or past len: a value that drops every element)
+  float lim[2];            // 2^16 (r0 + 8 h - c0): element e is kept when lim[h] - 2^16 o_e >= 0 (>= 2^16,
+                           // strict), o_e = 8 (e / 4) + e % 2 (rows at or past len: -2^36, every element dropped)
   template <class CP>
   __device__ __forceinline__ GateFactors(const StepGates& gt, const CP& cP, int len, int u, float s_) : s(s_) {
     const int r0 = get<0>(cP(0)), c0 = get<1>(cP(0));
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
-      dh[h] = r0 + 8 * h < len ? c0 - r0 - 8 * h : 1 << 20;
+      lim[h] = kMaskScale * static_cast<float>(r0 + 8 * h < len ? r0 + 8 * h - c0 : -(1 << 20));
     }
     CUTE_UNROLL
     for (int b = 0; b < 16; ++b) {
@@ -186,8 +190,9 @@ struct GateFactors {
   template <bool kStrict = false>
   __device__ __forceinline__ float scaled(int e, float x) const {
     const int h = (e >> 1) & 1, b = 2 * (e >> 2) + (e & 1), o = 8 * (e >> 2) + (e & 1);
-    const bool keep = kStrict ? dh[h] < -o : dh[h] <= -o;  // one compare with an immediate
-    return keep ? exp2_approx(gi[h] + dj[b]) * (s * x) : 0.f;
+    // (i - j - o_e) 2^16 + 2^15 (- 2^15 strict): >= 2^15 where kept, <= -2^15 where dropped; exact in fp32
+    const float bound = lim[h] + (kMaskScale * static_cast<float>(-o) + (kStrict ? -0.5f : 0.5f) * kMaskScale);
+    return exp2_approx(fminf(gi[h] + dj[b], bound)) * (s * x);
   }
 };
 
