@@ -180,6 +180,9 @@ struct GateFactors {
     for (int h = 0; h < 2; ++h) {
       gi[h] = gt.gam()[r0 + 8 * h] * kLog2e;
       lim[h] = kMaskScale * static_cast<float>(r0 + 8 * h < len ? r0 + 8 * h - c0 : -(1 << 20));
+      // (opaque, so that the tiles' 32 bounds are formed where each is used, not computed once for
+      // Pg'', dA and dM together and held in spills across them)
+      asm volatile("" : "+f"(lim[h]));
     }
     CUTE_UNROLL
     for (int b = 0; b < 16; ++b) {
