@@ -812,11 +812,11 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
             Tensor rK = thrP.partition_fragment_B(make_tensor(make_smem_ptr(reinterpret_cast<const T*>(stb + Cfg::kK)), typename LT::TokD_K{}));
             gemm_sync(mmaP, rQ, rK, accP2, GMMA::ScaleOut::Zero);
           }
+          // dA o Q K^T with its diagonal: dA is 0 above the diagonal and at rows past the end (Q K^T
+          // finite), and a diagonal term enters row i's sum and column i's alike, so a_i = rows - columns
+          // cancels it (to rounding) without a compare per element (docs/design.md bwd-61).
           CUTE_UNROLL
-          for (int e = 0; e < size(accP2); ++e) {
-            const int i = get<0>(cP(e)), j = get<1>(cP(e));
-            accP2(e) = j < i ? accD(e) * accP2(e) : 0.f;  // (dA is 0 at rows past the end; Q K^T finite)
-          }
+          for (int e = 0; e < size(accP2); ++e) accP2(e) *= accD(e);
           mbar_wait(qg_free, c & 1);
           float* sdA = reinterpret_cast<float*>(sm + Cfg::kD + kImgTokTok * 2);
           const float2 rs = rows_and_cols(accP2, sdA + 128, wt);
