@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
         QLA_PHASE(3);
         aux_scores_w(sQK, sTW, sGam, len, wt, acc QLA_PHASE_PASS);
         // W as fp16 into rows 64-127 of the Tu|W operand.
-        stmatrix_tokd<64>(smem_u32(sTW) + 8192u, wt, [&](int i) { return acc(i); });  // (TW_K: rows 64-127 a box on)
+        stmatrix_tokd<64>(smem_u32(sTW) + 8192u, wt, [&](int i) { return acc(i); });  // (TW_K: one 16 KiB box of 128 rows; rows 64-127 start 8 KiB in)
         fence_async_smem();
       }
       mbar_arrive(&aready[c % kStages]);

@@ -1419,7 +1419,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     for (int e = 0; e < size(accS0); ++e) m = fmaxf(m, fmaxf(fabsf(accS0(e)), fabsf(accS1(e))));
     const int de = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
     const float f = pow2c(de);
-    // (QK_K: 128 rows, 16 KiB boxes; v 64 .. 127 8 KiB on)
+    // (QK_K: 16 KiB boxes of 128 rows; rows v 64 .. 127 start 8 KiB into each)
     stmatrix_tokd<128, H, 16384u>(smem_u32(sm) + Cfg::kDSn, fresh(wt), [&](int e) { return accS0(e) * f; });
     stmatrix_tokd<128, H, 16384u>(smem_u32(sm) + Cfg::kDSn + 8192u, fresh(wt), [&](int e) { return accS1(e) * f; });
     if (wt == 0) misc[kMiscEn] = a + de;
