@@ -91,11 +91,11 @@ struct StepCfg {
   static constexpr uint32_t kBeta = kMisc + 512;  // beta of the chunk's tokens (fp32; K, chunks with dk)
   static constexpr uint32_t kBar = kBeta + kC * 4;
   // full, empty, dsn_ready, pg_ready, w_ready, du_ready, d_ready, d_free, s_full, s_empty, u_ready, qg_free,
-  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tail_ready, tb_ready, prep_ready
-  static constexpr int kBars = 2 * kStages + 19;
-  static constexpr size_t kSmem = 1024 + kBar + 168;  // (1 KiB of alignment slack first)
+  // du_free, dsn_free, tm_full, da_ready, vkb_ready, mb_ready, tail_ready, tb_ready, prep_ready, tu_free
+  static constexpr int kBars = 2 * kStages + 20;
+  static constexpr size_t kSmem = 1024 + kBar + 176;  // (1 KiB of alignment slack first)
   static_assert(kInvGateCopy <= 1024, "the region's gates over their stage part");
-  static_assert(kBars * 8 <= 168, "the mbarriers over their part");
+  static_assert(kBars * 8 <= 176, "the mbarriers over their part");
   static_assert(kSmem + 64 <= 232448, "reverse step smem (with the kernel's static flags) over the 227 KiB limit");
 };
 
@@ -124,6 +124,16 @@ constexpr bool kTileUnits = std::is_same<T, cutlass::half_t>::value;
 __device__ __forceinline__ int step_unit(float m) { return m > 0.f ? max(-60, min(60, 13 - float_exponent(m))) : 0; }
 __device__ __forceinline__ float pow2c(int e) { return pow2i(max(-126, min(127, e))); }
 
+// A thread's largest |x| over values it forms in order, in four independent chains (by e % 4)
+// instead of one chain of 64-128 dependent FMNMX (~6 cycles a step) before each unit reduction.
+// The maximum is exact, so the chains change no bit; its time was measured only within bwd-62
+// (design.md; a tree alone, bwd-58, gained nothing measurable).
+struct AbsMax4 {
+  float m[4] = {0.f, 0.f, 0.f, 0.f};
+  __device__ __forceinline__ void add(int e, float x) { m[e & 3] = fmaxf(m[e & 3], fabsf(x)); }
+  __device__ __forceinline__ void add2(int e, float x, float y) { m[e & 3] = fmaxf(m[e & 3], fmaxf(fabsf(x), fabsf(y))); }
+  __device__ __forceinline__ float get() const { return fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])); }
+};
 // The largest x over a warpgroup (named barrier id; red: two alternating sets of four slots,
 // picked by flip, so that one barrier a call suffices).
 __device__ __forceinline__ float wg_max(float x, float* red, int wt, int id, int flip) {
@@ -236,7 +246,7 @@ __device__ __forceinline__ void form_qg(const uint8_t* stb, uint8_t* sm, const S
 template <class T>
 __device__ __forceinline__ int form_d(const uint8_t* stb, uint8_t* sm, float* red, int wt, int bar, int flip) {
   const uint32_t src = smem_u32(stb + StepCfg::kO), dst = smem_u32(sm + StepCfg::kD);
-  float m = 0.f;
+  AbsMax4 m;
   #pragma unroll 2  // (rolled: the roles' hot code must fit the instruction cache)
   for (int r = 0; r < 8; ++r) {
     const uint4 u = lds_u128(src + run_byte(wt, r));  // (rows past the end: zeros)
@@ -244,10 +254,10 @@ __device__ __forceinline__ int form_d(const uint8_t* stb, uint8_t* sm, float* re
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const float2 f = unpack2<T>(pu[i]);
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+      m.add2(i, f.x, f.y);
     }
   }
-  const int ed = step_unit(wg_max(m, red, wt, bar, flip));
+  const int ed = step_unit(wg_max(m.get(), red, wt, bar, flip));
   const float sc = pow2c(ed);
   scale_rows<T, cutlass::half_t>(src, dst, wt, [&](int) { return sc; });
   return ed;
@@ -400,10 +410,10 @@ __device__ __forceinline__ float2 rows_and_cols(const Acc& r, float* colp, int w
 // The largest |acc(e)| of the thread.
 template <class Acc>
 __device__ __forceinline__ float abs_max(const Acc& acc) {
-  float m = 0.f;
+  AbsMax4 m;
   CUTE_UNROLL
-  for (int e = 0; e < size(acc); ++e) m = fmaxf(m, fabsf(acc(e)));
-  return m;
+  for (int e = 0; e < size(acc); ++e) m.add(e, acc(e));
+  return m.get();
 }
 
 // Tb'' = 2^ub T' diag(beta e^gamma 2^-ek) (fp16; columns past the end 0: beta and e^gamma are) from
@@ -419,7 +429,7 @@ __device__ __forceinline__ void form_tb(uint32_t src, uint32_t dst, const float*
   float cf[8];
   CUTE_UNROLL
   for (int q = 0; q < 8; ++q) cf[q] = beta[col0 + q] * eg[col0 + q] * pow2c(-kexp[col0 + q]);
-  float m = 0.f;
+  AbsMax4 m;
   #pragma unroll 1
   for (int r = 0; r < 4; ++r) {
     const uint4 u = lds_u128(src + 16u * (wt + 128 * r));
@@ -427,10 +437,10 @@ __device__ __forceinline__ void form_tb(uint32_t src, uint32_t dst, const float*
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q) {
       const float2 f = unpack2<H>(pu[q]);
-      m = fmaxf(m, fmaxf(fabsf(f.x * cf[2 * q]), fabsf(f.y * cf[2 * q + 1])));
+      m.add2(q, f.x * cf[2 * q], f.y * cf[2 * q + 1]);
     }
   }
-  const int ub = step_unit(wg_max(m, red, wt, kBarStepS, flip));
+  const int ub = step_unit(wg_max(m.get(), red, wt, kBarStepS, flip));
   const float fu = pow2c(ub);
   CUTE_UNROLL
   for (int q = 0; q < 8; ++q) cf[q] *= fu;
@@ -483,6 +493,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   uint64_t* tail_ready = mb_ready + 1;    // Z: the stage's rows past the end zeroed (a partial chunk)
   uint64_t* tb_ready = tail_ready + 1;    // S: Tb'' in the stage's Tu' slot and ub (chunks with dk)
   uint64_t* prep_ready = tb_ready + 1;    // A and K: Qg' and D' (and ed) of a chunk without gradients
+  uint64_t* tu_free = prep_ready + 1;     // K: its dv has read Tu', and beta is in sBeta (chunks with dk)
   int* misc = reinterpret_cast<int*>(sm + Cfg::kMisc);
   float* fmisc = reinterpret_cast<float*>(misc);
 
@@ -509,6 +520,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_init(tail_ready, 96);
     mbar_init(tb_ready, 128);
     mbar_init(prep_ready, 2 * 128);
+    mbar_init(tu_free, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __shared__ int sflags[2];
@@ -756,14 +768,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         // dA = scale e^(gamma_i - gamma_j) dP (j <= i < len); dA'' = 2^ea dA in the input type (ea
         // = 0 for bf16), into the tile of Pg'' once K's product has read it (du_ready); K reads
         // dA'' for dk before it releases the stage, so the next Pg'' cannot overwrite it early.
-        float m = 0.f;
+        AbsMax4 m;
         const GateFactors gf(gt, cP, len, -ed - eut, p.scale);
         CUTE_UNROLL
         for (int e = 0; e < size(accD); ++e) {
           accD(e) = gf.scaled(e, accD(e));
-          m = fmaxf(m, fabsf(accD(e)));
+          m.add(e, accD(e));
         }
-        const int ea = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
+        const int ea = kTileUnits<T> ? step_unit(wg_max(m.get(), fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;
         const float fa = pow2c(ea);
         mbar_wait(du_ready, c & 1);
         stmatrix_tokd<64, T>(smem_u32(sm) + Cfg::kPg, fresh(wt), [&](int e) { return accD(e) * fa; });
@@ -868,15 +880,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
                   cb[b] = sBeta[k] * pow2c(-kexp[k]);  // (sBeta is 0 past the end)
                 }
               }
-              float m = 0.f;
+              AbsMax4 m;
               CUTE_UNROLL
               for (int e = 0; e < size(accX); ++e) {
                 const int b = 2 * (e >> 2) + (e & 1);
                 const float x = accX(e) * fv + accX2(e) * ck[b];
                 accX(e) = x * cb[b];
-                m = fmaxf(m, fabsf(accX(e)));
+                m.add(e, accX(e));
               }
-              const int ex = step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++));
+              const int ex = step_unit(wg_max(m.get(), fmisc + kMiscRedA, wt, kBarStepA, flip++));
               const float fx = pow2c(ex);
               stmatrix_tokd<64, H>(smem_u32(sm) + kX, fresh(wt), [&](int e) { return accX(e) * fx; });
               fence_async_smem();
@@ -897,14 +909,14 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               gemm_sync(mmaX, rA, rB, accX2, GMMA::ScaleOut::Zero);
             }
             mbar_arrive(&empty[c % kStages]);  // A's last read of the stage (P loads the next chunk under the rest)
-            float m = 0.f;
+            AbsMax4 m;
             CUTE_UNROLL
             for (int e = 0; e < size(accX); ++e) {
               const int i = get<0>(cX(e));
               const float bi = sBeta[i];  // (0 past the end)
               accX2(e) *= accX(e);  // (dM is 0 where j >= i or i >= len)
-              m = fmaxf(m, fabsf(accX(e) * bi));
               accX(e) *= bi;  // dMb = diag(beta) dM
+              m.add(e, accX(e));
             }
             {
               float rr[2] = {0.f, 0.f};
@@ -932,7 +944,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
                 sdK[kSdRows + r0 + 8] = rs.y;
               }
             }
-            em = kTileUnits<T> ? step_unit(wg_max(m, fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
+            em = kTileUnits<T> ? step_unit(wg_max(m.get(), fmisc + kMiscRedA, wt, kBarStepA, flip++)) : 0;  // (ex's barrier: every X product has read dVb'')
             const float fm = pow2c(em);
             stmatrix_tokd<64, T>(smem_u32(sm) + kMb, fresh(wt), [&](int e) { return accX(e) * fm; });
           }
@@ -1021,7 +1033,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         int ez = 0, eu = 0;
         #pragma unroll 1
         for (int it = 0; it < 2; ++it) {
-          float m = 0.f;
+          AbsMax4 m;
           if (it == 0) {
             {
               Tensor rK = thrY.partition_fragment_A(tT(stb, Cfg::kK, typename LT::TokD_K{}));
@@ -1034,15 +1046,16 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
               const float2 v2 = unpack2<T>(bits);
               acc(e) = v2.x - egi * acc(e);
               acc(e + 1) = v2.y - egi * acc(e + 1);
-              m = fmaxf(m, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
+              m.add2(e >> 1, acc(e), acc(e + 1));
             });
           } else {
             Tensor rTu = thrW.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_K{}));
             Tensor rZ = thrW.partition_fragment_B(tH(sm, Cfg::kU, typename LH::DTok_MN{}));
             gemm_sync(mmaW, rTu, rZ, acc, GMMA::ScaleOut::Zero);
-            m = abs_max(acc);
+            CUTE_UNROLL
+            for (int e = 0; e < size(acc); ++e) m.add(e, acc(e));
           }
-          const int eb = step_unit(wg_max(m, fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (U'': its barrier: every product has read Z')
+          const int eb = step_unit(wg_max(m.get(), fmisc + kMiscRedK, wt, kBarStepK, flip++));  // (U'': its barrier: every product has read Z')
           if (it == 0) {
             ez = eb;
             if (c > 0) mbar_wait(d_free, (c - 1) & 1);  // A's dP has read the last U''
@@ -1115,13 +1128,18 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
       mbar_arrive(du_ready);
       QLA_PHASE(7);
       if (!dkc) mbar_arrive(dsn_free);  // K's reads of dSn' are done (with dk: dK_d, at the chunk's end)
-      // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), only where it is stored.
+      // With dk: beta for K's tail, A's X block and S's Tb'' (their reads of the last chunk's were
+      // done before K's waits for mb_ready and tb_ready there; K's own after its next barriers).
+      if (dkc && wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;
+      // dv = 2^-(et + en + eu) Tu'^T dU' (rows i < len), only where it is stored. Then S may write
+      // Tb'' over Tu' (tu_free): under K's dW, dVb and dKb rather than after them (bwd-62).
       if (dv_out) {
         Tensor accV = partition_fragment_C(mmaV, Shape<_64, _128>{});
         {
           Tensor rTuT = thrV.partition_fragment_A(tH(stb, Cfg::kTu, typename LH::TokTok_MN{}));
           gemm_sync(mmaV, rTuT, thrV.partition_fragment_B(tH(sm, Cfg::kDU, typename LH::DTok_MN{})), accV, GMMA::ScaleOut::Zero);
         }
+        if (dkc) mbar_arrive(tu_free);
         const float dvsc = pow2c(-(gt.et() + en + eu));
         if (!dkc) mbar_arrive(&empty[c % kStages]);  // K's reads of the stage are done (dvsc read above)
         // dv into a tile once S's product and every K warp's have read it (dU''s, or with dk W''s:
@@ -1144,6 +1162,8 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           store_tile_rows<T>(smem_u32(sm + stg), dv + tile.b * p.so[0] + t0 * p.so[1] + static_cast<int64_t>(tile.hv) * p.so[2], p.so[1],
                              len, wt);
         }
+      } else if (dkc) {
+        mbar_arrive(tu_free);  // (no dv product: nothing of K's reads Tu' in the chunk)
       }
       QLA_PHASE(8);
       if (dkc) {
@@ -1155,7 +1175,6 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         const int gi = c - role.nwarm, ap = en + eu, r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
         const int8_t* kexp = gt.kexp();
         const float* eg = gt.eg();
-        if (wt < kC) sBeta[wt] = wt < len ? bits_value(beta_bits, p.b_dt) : 0.f;  // (read after the next barriers)
         // dW'' = dU' S'^T in the input type: dU' converted into a register operand (its fp16 tile
         // stays for dVb), once A's dO S^T has read S' and A's dP U'' (d_free).
         mbar_wait(d_free, c & 1);
@@ -1171,6 +1190,9 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           warpgroup_fence_operand(rDUt);
           gemm_sync(mmaRS, rDUt, rB, acc, GMMA::ScaleOut::Zero);
         }
+        // dW''' goes where dv's bulk stores read (W''s tile): their reads are done (thread 0 issued
+        // them) before the reduction's barrier.
+        if (wt == 0 && p.dv_tma) bulk_wait_read();
         const int ew = step_unit(wg_max(abs_max(acc), fmisc + kMiscRedK, wt, kBarStepK, flip++));
         mbar_wait(du_free, c & 1);  // S's product has read W'
         {
@@ -1412,12 +1434,16 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
   }
   int a = 0;     // accS = 2^a dS^T
   int flip = 0;  // S's reductions (wg_max's alternating slots)
-  // dSn' = 2^en dSn (fp16) for the chunk about to run, and en.
-  auto publish_dsn = [&]() {
-    float m = 0.f;
+  // dSn''s unit relative to accS's (2^de max |accS| in [2^13, 2^14)): formed as soon as the chain's
+  // products are in, before S waits for the readers of the last dSn' (publish_dsn).
+  auto dsn_unit = [&]() {
+    AbsMax4 m;
     CUTE_UNROLL
-    for (int e = 0; e < size(accS0); ++e) m = fmaxf(m, fmaxf(fabsf(accS0(e)), fabsf(accS1(e))));
-    const int de = step_unit(wg_max(m, fmisc + kMiscRedS, wt, kBarStepS, flip++));
+    for (int e = 0; e < size(accS0); ++e) m.add2(e, accS0(e), accS1(e));
+    return step_unit(wg_max(m.get(), fmisc + kMiscRedS, wt, kBarStepS, flip++));
+  };
+  // dSn' = 2^en dSn (fp16) for the chunk about to run, and en = a + de.
+  auto publish_dsn = [&](int de) {
     const float f = pow2c(de);
     // (QK_K: 16 KiB boxes of 128 rows; rows v 64 .. 127 start 8 KiB into each)
     stmatrix_tokd<128, H, 16384u>(smem_u32(sm) + Cfg::kDSn, fresh(wt), [&](int e) { return accS0(e) * f; });
@@ -1426,7 +1452,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     fence_async_smem();
     mbar_arrive(dsn_ready);
   };
-  publish_dsn();
+  publish_dsn(dsn_unit());
   QLA_PHASES_SMEM(6, reinterpret_cast<unsigned long long*>(sm + Cfg::kMisc + 464));
   for (int c = 0; c < nch; ++c) {
     uint8_t* stb = stage(c);
@@ -1466,11 +1492,12 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     mbar_arrive(du_free);
     a = au;
     QLA_PHASE(4);
+    const int de = c + 1 < nch ? dsn_unit() : 0;  // (the next dSn''s unit, before any wait)
     if (step_dk(c)) {
       // K's Tb'', here while S waits for K's dK_d to free dSn' (K's tail is the step's longest
-      // path): once K has written beta and its dv has read Tu' (vkb_ready) and T' is in (tm_full).
+      // path): once K has written beta and its dv has read Tu' (tu_free) and T' is in (tm_full).
       const int gi = c - role.nwarm;
-      mbar_wait(vkb_ready, gi & 1);
+      mbar_wait(tu_free, gi & 1);
       mbar_wait(tm_full, gi & 1);
       form_tb(smem_u32(sm + Cfg::kD), smem_u32(stb + Cfg::kTu), reinterpret_cast<const float*>(sm + Cfg::kBeta), gt.eg(), gt.kexp(),
               fmisc + kMiscRedS, wt, flip++, misc + kMiscUb);
@@ -1479,7 +1506,7 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
     }
     if (c + 1 < nch) {
       mbar_wait(dsn_free, c & 1);  // K's reads of this chunk's dSn' (Kd' dSn', dK_d) are done
-      publish_dsn();
+      publish_dsn(de);
     }
     QLA_PHASE(5);
   }
