@@ -17,6 +17,7 @@ struct FinishParams {
   int partial_bytes;      // 4: fp32 partials; 2: partials in the type of q; 0: none (dq, dk written)
   void *dq, *dk;
   int64_t sdq[3], sdk[3];
+  bool dq_vec16, dk_vec16;  // 16-byte aligned data and strides: 16-byte stores
   int64_t B, T;
   int H, HV, N;
   const int* chunk_off;
@@ -33,13 +34,35 @@ struct FinishParams {
   int64_t sdh0[3];
 };
 
-// Four consecutive partials from element i (fp32 or the 16-bit type T).
+// Eight consecutive partials from element i (fp32 or the 16-bit type T): 16-byte loads.
 template <class T>
-__device__ __forceinline__ float4 load_partials4(const void* base, int bytes, int64_t i) {
-  if (bytes == 4) return *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-  const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const T*>(base) + i);
-  const float2 a = unpack2<T>(u.x), b = unpack2<T>(u.y);
-  return make_float4(a.x, a.y, b.x, b.y);
+__device__ __forceinline__ void load_partials8(const void* base, int bytes, int64_t i, float (&x)[8]) {
+  if (bytes == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    return;
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const T*>(base) + i);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  CUTE_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = unpack2<T>(w[j]);
+    x[2 * j] = f.x, x[2 * j + 1] = f.y;
+  }
+}
+
+// Eight values to dst (the 16-bit type T): one 16-byte store where the row is 16-byte aligned
+// (vec16), else two 8-byte ones (the gradients' 8-byte alignment, checked on the host).
+template <class T>
+__device__ __forceinline__ void store8(T* dst, const float (&x)[8], bool vec16) {
+  const uint4 u = make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]), pack2<T>(x[6], x[7]));
+  if (vec16) {
+    *reinterpret_cast<uint4*>(dst) = u;
+  } else {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(u.x, u.y);
+    reinterpret_cast<uint2*>(dst)[1] = make_uint2(u.z, u.w);
+  }
 }
 
 template <class T>
@@ -50,24 +73,36 @@ __global__ void __launch_bounds__(256) gdn_bwd_finish(const __grid_constant__ Fi
   const bool bad = p.chunk_off[p.N + 1] != 0;
   if (!bad && p.partial_bytes == 0) return;
   const float nan = __int_as_float(0x7fc00000);
-  // dq, dk: 4 consecutive d per thread, each group's partials summed in fp32 in a fixed order.
-  const int64_t nq = p.B * p.T * p.H * (kDK / 4);
-  for (int64_t i = first; i < nq; i += nthreads) {
-    const int64_t d4 = (i % (kDK / 4)) * 4, h = (i / (kDK / 4)) % p.H, bt = i / (kDK / 4) / p.H;
-    const int64_t bb = bt / p.T, t = bt % p.T;
-    float4 sq = make_float4(0.f, 0.f, 0.f, 0.f), sk = sq;
-    for (int gi = 0; gi < G && p.partial_bytes; ++gi) {
-      const int64_t src = (bt * p.HV + h * G + gi) * kDK + d4;
-      const float4 a = load_partials4<T>(p.dqp, p.partial_bytes, src);
-      const float4 c = load_partials4<T>(p.dkp, p.partial_bytes, src);
-      sq.x += a.x; sq.y += a.y; sq.z += a.z; sq.w += a.w;
-      sk.x += c.x; sk.y += c.y; sk.z += c.z; sk.w += c.w;
+  // dq, dk: 8 consecutive d per thread, each group's partials summed in fp32 in a fixed order.
+  // Row (token, key head) indices in 32 bits where they fit (64-bit division costs more than
+  // the memory traffic it addresses).
+  const int64_t rows = p.B * p.T * p.H, n8 = rows * (kDK / 8);
+  const bool idx32 = rows <= INT32_MAX;
+  for (int64_t i = first; i < n8; i += nthreads) {
+    const int d8 = static_cast<int>(i % (kDK / 8)) * 8;
+    const int64_t row = i / (kDK / 8);
+    int64_t bt, h, bb, t;
+    if (idx32) {
+      const uint32_t r = static_cast<uint32_t>(row), q = r / static_cast<uint32_t>(p.H);
+      const uint32_t b = q / static_cast<uint32_t>(p.T);
+      bt = q, h = r - q * static_cast<uint32_t>(p.H), bb = b, t = q - b * static_cast<uint32_t>(p.T);
+    } else {
+      bt = row / p.H, h = row % p.H, bb = bt / p.T, t = bt % p.T;
     }
-    if (bad) sq = sk = make_float4(nan, nan, nan, nan);
-    T* q = static_cast<T*>(p.dq) + bb * p.sdq[0] + t * p.sdq[1] + h * p.sdq[2] + d4;
-    T* k = static_cast<T*>(p.dk) + bb * p.sdk[0] + t * p.sdk[1] + h * p.sdk[2] + d4;
-    *reinterpret_cast<uint2*>(q) = make_uint2(pack2<T>(sq.x, sq.y), pack2<T>(sq.z, sq.w));
-    *reinterpret_cast<uint2*>(k) = make_uint2(pack2<T>(sk.x, sk.y), pack2<T>(sk.z, sk.w));
+    float sq[8] = {}, sk[8] = {};
+    for (int gi = 0; gi < G && p.partial_bytes; ++gi) {
+      const int64_t src = (bt * p.HV + h * G + gi) * kDK + d8;
+      float a[8], c[8];
+      load_partials8<T>(p.dqp, p.partial_bytes, src, a);
+      load_partials8<T>(p.dkp, p.partial_bytes, src, c);
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) sq[j] += a[j], sk[j] += c[j];
+    }
+    if (bad)
+      CUTE_UNROLL
+      for (int j = 0; j < 8; ++j) sq[j] = sk[j] = nan;
+    store8(static_cast<T*>(p.dq) + bb * p.sdq[0] + t * p.sdq[1] + h * p.sdq[2] + d8, sq, p.dq_vec16);
+    store8(static_cast<T*>(p.dk) + bb * p.sdk[0] + t * p.sdk[1] + h * p.sdk[2] + d8, sk, p.dk_vec16);
   }
   if (!bad) return;
   const int64_t nv = p.B * p.T * p.HV * kDV;

@@ -117,8 +117,10 @@ __device__ __forceinline__ void stmatrix_t4(uint32_t addr, uint32_t r0, uint32_t
 // ---------------------------------------------------------------------------------------------
 
 // The producer's loads of one chunk (first token tok of batch row bb; its region, (chunk, value
-// head) index `region`) into stage dst, completing on `full`.
-template <class Cfg>
+// head) index `region`) into stage dst, completing on `full`. The lean kernel (kLean) reads no
+// Q (it forms no scores and no o): the Q rows of the stacked operand keep stale bytes, which
+// neither the aux (aux_convert_qk<.., true>) nor any product touches.
+template <class Cfg, bool kLean>
 __device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, uint64_t* full, size_t region, int hq,
                                               int hv, int vcol, int tok, int bb) {
   const uint8_t* reg = static_cast<const uint8_t*>(p.regions) + region * kInvRegionBytes;
@@ -143,12 +145,12 @@ __device__ __forceinline__ void produce_chunk(const RecParams& p, uint8_t* dst, 
     return;
   }
 #endif
-  mbar_expect_tx(full, Cfg::kTx);
+  mbar_expect_tx(full, kLean ? Cfg::kTx - kQKBytes : Cfg::kTx);
   CUTE_UNROLL
   for (int h = 0; h < 2; ++h) {
     // d-block h of the stacked operand: K's 64 rows, then Q's.
     tma_load_4d(dst + Cfg::kQK + h * kQKBytes, &p.tmk, h * 64, hq, tok, bb, full);
-    tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, full);
+    if constexpr (!kLean) tma_load_4d(dst + Cfg::kQK + h * kQKBytes + kQKBytes / 2, &p.tmq, h * 64, hq, tok, bb, full);
   }
   CUTE_UNROLL
   for (int h = 0; h < Cfg::kMathWGs; ++h)  // one 64-column box per math warpgroup; past V (the transfer
@@ -196,9 +198,10 @@ __device__ __forceinline__ int tu_exp_of(const uint8_t* stb) {
 }
 
 // The aux warpgroup's first step on a stage: K' = diag(2^ek) K and Q' = diag(2^eq) Q in fp16 in
-// place, rows past the sequence end zeroed (K, Q and the V slot's boxes). The caller fences and
-// meets the aux's barrier before any wgmma reads them.
-template <class T, class Cfg>
+// place, rows past the sequence end zeroed (K, Q and the V slot's boxes). kKOnly (the lean
+// kernel, which loads no Q): K's rows alone. The caller fences and meets the aux's barrier
+// before any wgmma reads them.
+template <class T, class Cfg, bool kKOnly>
 __device__ __forceinline__ void aux_convert_qk(uint8_t* stb, int len, int wt QLA_PHASE_ARGS) {
   using H = cutlass::half_t;
   // Per-token scales (powers of two, exact, from the inverse kernel): K' = diag(2^ek) K and
@@ -217,8 +220,9 @@ __device__ __forceinline__ void aux_convert_qk(uint8_t* stb, int len, int wt QLA
   for (int r = 0; r < 4; ++r) {
     ex[r] = kexp[r0 + 16 * r];
     ex[4 + r] = qexp[r0 + 16 * r];
-    unit = unit && ex[r] == 0 && ex[4 + r] == 0;
+    unit = unit && ex[r] == 0 && (kKOnly || ex[4 + r] == 0);
   }
+  constexpr int kRuns = kKOnly ? 4 : 8;  // runs a half: K's 4, then Q's 4
   const bool scaled = !__all_sync(0xffffffffu, unit);
   QLA_PHASE(1);
   // In place to fp16 (bf16 inputs always, fp16 ones when a scale is not 1), eight runs'
@@ -239,11 +243,11 @@ __device__ __forceinline__ void aux_convert_qk(uint8_t* stb, int len, int wt QLA
     for (int hb = 0; hb < 2; ++hb) {
       uint4 u[8];
       CUTE_UNROLL
-      for (int r = 0; r < 8; ++r)
+      for (int r = 0; r < kRuns; ++r)
         asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                      : "=r"(u[r].x), "=r"(u[r].y), "=r"(u[r].z), "=r"(u[r].w) : "r"(run_addr(8 * hb + r)));
       CUTE_UNROLL
-      for (int r = 0; r < 8; ++r) {
+      for (int r = 0; r < kRuns; ++r) {
         uint32_t* pu = &u[r].x;
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) {
@@ -270,7 +274,7 @@ __device__ __forceinline__ void aux_convert_qk(uint8_t* stb, int len, int wt QLA
     // takes max |V| over the tile's rows).
     CUTE_UNROLL
     for (int it = 0; it < 16; ++it)
-      if (((16 * (it & 7) + r0) & (kC - 1)) >= len) sts128(run_addr(it), make_uint4(0u, 0u, 0u, 0u));
+      if ((!kKOnly || (it & 7) < 4) && ((16 * (it & 7) + r0) & (kC - 1)) >= len) sts128(run_addr(it), make_uint4(0u, 0u, 0u, 0u));
     CUTE_UNROLL
     for (int h = 0; h < Cfg::kMathWGs; ++h) zero_box_rows(smem_u32(stb + Cfg::kV + h * kC * 64 * 2), len, wt, 128);
   }
@@ -616,7 +620,7 @@ __device__ __forceinline__ bool fused_cta_idle(const RecParams& p, const PieceCt
 
 // The producer thread's loop: each chunk's loads into stage c % kStages once the math
 // warpgroups have released it (`empty`).
-template <class Cfg>
+template <class Cfg, bool kLean>
 __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta& tile, const PieceRole& role, uint8_t* sm,
                                              uint64_t* full, uint64_t* empty) {
   const int hq = tile.hv / (p.HV / p.H);
@@ -627,11 +631,12 @@ __device__ __forceinline__ void run_producer(const RecParams& p, const PieceCta&
     const int tok = static_cast<int>(tile.t0) + (role.c0 + c) * kC, bb = static_cast<int>(tile.b);
     const size_t region = static_cast<size_t>(tile.ci0 + role.c0 + c) * p.HV + tile.hv;
     mbar_wait(&empty[st], ((c / Cfg::kStages) & 1) ^ 1);
-    produce_chunk<Cfg>(p, sm + st * Cfg::kStageBytes, &full[st], region, hq, tile.hv, tile.vt * Cfg::kVT, tok, bb);
+    produce_chunk<Cfg, kLean>(p, sm + st * Cfg::kStageBytes, &full[st], region, hq, tile.hv, tile.vt * Cfg::kVT, tok, bb);
   }
 }
 
-// kLean: the lean kernel of a split call's pass 0 (split.cuh), whose CTAs write no o: the chunk
+// kLean: the lean kernel of a split call's pass 0 (split.cuh) and of the backward's states pass
+// (at V tile 64, or 128 where 64 would take a second wave), whose CTAs write no o: the chunk
 // step runs [Y] and [U] at N = 64 (no P, no W, no O staging) and the store warps and the aux's
 // scores stay idle. A template argument, not a runtime one: the lean step's code beside the full
 // one cost the full kernel registers and 1-7% of its time (split-8 in docs/design.md).
@@ -716,7 +721,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       }
       return;
     }
-    if (wt == 0) run_producer<Cfg>(p, tile, role, sm, full, empty);
+    if (wt == 0) run_producer<Cfg, kLean>(p, tile, role, sm, full, empty);
     return;
   }
 
@@ -734,7 +739,7 @@ __global__ void __launch_bounds__(FusedCfg<kMathWGs>::kThreads, 1) gdn_fwd_chunk
       mbar_wait(&full[c % kStages], parity(c));
       QLA_PHASE(0);
       const int len = static_cast<int>(min<int64_t>(kC, slen - static_cast<int64_t>(c0 + c) * kC));
-      aux_convert_qk<T, Cfg>(stb, len, wt QLA_PHASE_PASS);
+      aux_convert_qk<T, Cfg, kLean>(stb, len, wt QLA_PHASE_PASS);
       QLA_PHASE(2);
       aux_forward_factors<Cfg>(p, stb, wt);
       fence_async_smem();  // the generic stores before the async proxy's reads (wgmma) and refill (TMA)

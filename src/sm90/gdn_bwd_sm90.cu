@@ -245,6 +245,8 @@ Status bwd_launch(const GdnBackwardParams& p) {
     fp.partial_bytes = 4;
     fp.dq = p.dq.data;
     fp.dk = p.dk.data;
+    fp.dq_vec16 = rows_vec16(p.dq);
+    fp.dk_vec16 = rows_vec16(p.dk);
     for (int i = 0; i < 3; ++i) {
       fp.sdq[i] = p.dq.stride[i]; fp.sdk[i] = p.dk.stride[i]; fp.sdv[i] = p.dv.stride[i]; fp.sdh0[i] = p.d_initial_state.stride[i];
     }
@@ -259,7 +261,7 @@ Status bwd_launch(const GdnBackwardParams& p) {
     fp.dg_dt = static_cast<int>(p.dg.dtype);
     fp.db_dt = static_cast<int>(p.dbeta.dtype);
     fp.dh0 = static_cast<float*>(p.d_initial_state.data);
-    const int64_t work = std::max<int64_t>(p.shape.batch * p.shape.seqlen * H * (kDK / 4), 1);
+    const int64_t work = std::max<int64_t>(p.shape.batch * p.shape.seqlen * H * (kDK / 8), 1);
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
     gdn_bwd_finish<T><<<grid, 256, 0, stream>>>(fp);
     QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_finish");

@@ -72,7 +72,7 @@ int g_test_inv_group = 0;  // test builds only: the inverse kernel's value heads
 int g_test_fused_skip = 0;  // test builds only: RecParams::skip of the fused recurrence (timing variants)
 int g_test_fused_overlap = 0;  // test builds only: 1 runs the fused recurrence beside the inverse kernel (ready flags)
 int g_test_reverse_maps_ready = 0;  // test builds only: the reverse step's table, regions and maps left by a states pass
-int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile (0: the plan's)
+int g_test_pass1_vt = 0;  // test builds only: 64 / 128 sets a split call's pass-1 V tile and the states pass's (0: the plan's)
 #endif
 
 // The inverse kernel's value heads per work item (inverse_group in inverse.cuh).
@@ -279,6 +279,9 @@ Status prepare_kernels(DeviceInfo* dinfo) {
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)FusedCfg<1>::kSmem),
                "cudaFuncSetAttribute(gdn_fwd_chunks<1, lean>)");
+  QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_fwd_chunks<T, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)FusedCfg<2>::kSmem),
+               "cudaFuncSetAttribute(gdn_fwd_chunks<2, lean>)");
   // The fused backward's (its states pass runs the kernels above).
   QLA_CUDA_TRY(cudaFuncSetAttribute(gdn_bwd_fused_step<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)StepCfg::kSmem),
                "cudaFuncSetAttribute(gdn_bwd_fused_step)");
@@ -473,8 +476,8 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     const dim3 grid = seq_grid(slots, HV, tiles);
     const bool dep = dependent && rp.pass == 0;
     if (v128)
-      QLA_CUDA_TRY(launch_kernel(dep, gdn_fwd_chunks<T, 2, false>, grid, dim3(FusedCfg<2>::kThreads),
-                                 FusedCfg<2>::kSmem, stream, rp),
+      QLA_CUDA_TRY(launch_kernel(dep, lean ? gdn_fwd_chunks<T, 2, true> : gdn_fwd_chunks<T, 2, false>, grid,
+                                 dim3(FusedCfg<2>::kThreads), FusedCfg<2>::kSmem, stream, rp),
                    "launch gdn_fwd_chunks");
     else
       QLA_CUDA_TRY(launch_kernel(dep, lean ? gdn_fwd_chunks<T, 1, true> : gdn_fwd_chunks<T, 1, false>, grid,
@@ -482,8 +485,19 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
                    "launch gdn_fwd_chunks");
     return Status::Ok();
   };
+  // The states pass's chunks from their entering states (pass 1, or the one pass unsplit): at V
+  // tile 128 where V tile 64's two CTAs per piece and value head would not fit one wave of the
+  // SMs (the backward's plan keeps its pieces x value heads within one), else at V tile 64. This
+  // pass is bound by memory (each chunk reads K, V, Tu and writes the 32 KiB S'), and at 64 two
+  // CTAs read the same K and Tu. The pieces: the bound less one per sequence (piece_bounds:
+  // N + chunks / piece_chunks), exact for equal pieces.
+  const int64_t states_pieces = sc.max_pieces ? std::max<int64_t>(1, sc.max_pieces - N) : N;
+  bool states_vt128 = 2 * states_pieces * HV > sms;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_pass1_vt) states_vt128 = g_test_pass1_vt == 128;
+#endif
   rp.pass = 0;
-  if (!sc.max_pieces) return states ? chunks(false, true) : chunks(vt128, false);
+  if (!sc.max_pieces) return states ? chunks(states_vt128, true) : chunks(vt128, false);
   s = chunks(false, true);
   if (!s.ok()) return s;
   gdn_fwd_scan<<<seq_grid(N, HV, kDV / kScanCols), kScanThreads, kScanSmem, stream>>>(rp);
@@ -495,7 +509,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_pass1_vt) vt128_pass1 = g_test_pass1_vt == 128;
 #endif
-  return states ? chunks(false, true) : chunks(vt128_pass1, false);
+  return states ? chunks(states_vt128, true) : chunks(vt128_pass1, false);
 }
 
 // sc, wl: the split plan and workspace layout, made once per call by forward().
@@ -843,6 +857,8 @@ Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, co
   fp.partial_bytes = bl.partials ? 2 : 0;
   fp.dq = b.dq.data;
   fp.dk = b.dk.data;
+  fp.dq_vec16 = rows_vec16(b.dq);
+  fp.dk_vec16 = rows_vec16(b.dk);
   for (int i = 0; i < 3; ++i) {
     fp.sdq[i] = b.dq.stride[i], fp.sdk[i] = b.dk.stride[i], fp.sdv[i] = b.dv.stride[i];
     fp.sdh0[i] = b.d_initial_state.stride[i];
@@ -859,7 +875,7 @@ Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, co
   fp.dg_dt = static_cast<int>(b.dg.dtype);
   fp.db_dt = static_cast<int>(b.dbeta.dtype);
   fp.dh0 = static_cast<float*>(b.d_initial_state.data);
-  const int64_t work = std::max<int64_t>(f.shape.batch * f.shape.seqlen * f.shape.num_qk_heads * (kDK / 4), 1);
+  const int64_t work = std::max<int64_t>(f.shape.batch * f.shape.seqlen * f.shape.num_qk_heads * (kDK / 8), 1);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
   gdn_bwd_finish<T><<<grid, 256, 0, static_cast<cudaStream_t>(f.stream)>>>(fp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_finish");

@@ -128,6 +128,11 @@ const char* dt_name(DType d) {
 
 bool aligned(const void* ptr, size_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
 
+// A [B][T][H][K] 16-bit tensor whose every row start is 16-byte aligned (16-byte stores).
+bool rows_vec16(const MutTensorRef& t) {
+  return aligned(t.data, 16) && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0;
+}
+
 // The caller's workspace: at least `need` bytes (non-null when need > 0), 16-byte aligned.
 Status check_workspace(const char* who, const void* ws, size_t have, size_t need) {
   if (have < need || (need > 0 && ws == nullptr))

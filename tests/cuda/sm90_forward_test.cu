@@ -44,7 +44,7 @@ void set_test_inverse_group(int group);  // the inverse kernel's value heads per
 void set_test_fused_skip(int bits);  // the fused recurrence's timing variants (RecParams::skip)
 void set_test_fused_overlap(int on);  // 1: the fused recurrence beside the inverse kernel (per-region flags)
 void set_test_reverse_maps_ready(int on);  // 1: the reverse step reuses an earlier states pass's table, regions and maps
-void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile (0: pass 0's)
+void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile, and the backward's states pass's (0: the plan's)
 void set_test_backward_path(int path);  // qla::sm90::backward: 1 the chunked backward, 2 the fused one, 0 its rule
 void set_test_step_min_piece(int chunks);  // the fused backward's shortest piece (0: its own; -1: the forward's plan)
 #ifdef QLA_FUSED_PROFILE
@@ -1569,12 +1569,34 @@ int main(int argc, char** argv) {
           ok = check_library_backward(c, 4771 + i, stream, 2) && ok;
         }
       }
+      // The states pass's chunks at V tile 128 (the lean kernel's two-warpgroup form, which the
+      // plan takes where V tile 64 would need a second wave: many pairs, not these cases).
+      qla::sm90::set_test_pass1_vt(128);
+      for (int chunks : {0, 3}) {
+        g_split = chunks ? qla::SplitMode::kOn : qla::SplitMode::kAuto;
+        g_split_chunks = chunks;
+        for (size_t i : {3, 4, 5, 6}) {
+          Case c = rc[i];
+          c.name = "states vt128, split " + std::to_string(chunks) + ": " + c.name;
+          ok = check_library_backward(c, 3771 + i, stream, 2) && ok;
+        }
+      }
+      qla::sm90::set_test_pass1_vt(0);
       g_split = qla::SplitMode::kAuto;
       g_split_chunks = 0;
     }
     if (do_bwd_paths) bench_backward_paths(stream);
     for (size_t i = 0; i < rc.size() && do_step; ++i) ok = check_step(rc[i], 6771 + i, stream) && ok;
     for (size_t i = 0; i < rc.size() && do_states; ++i) ok = check_states(rc[i], 9771 + i, stream) && ok;
+    if (do_states) {  // again with the chunks at V tile 128 (the plan's choice on many pairs)
+      qla::sm90::set_test_pass1_vt(128);
+      for (size_t i = 0; i < rc.size(); ++i) {
+        Case c = rc[i];
+        c.name = "vt128: " + c.name;
+        ok = check_states(c, 8771 + i, stream) && ok;
+      }
+      qla::sm90::set_test_pass1_vt(0);
+    }
     if (do_reverse_bench) {
       const std::vector<Case> rows = bench_rows();
       for (int r : {0, 1, 2, 4, 6, 8}) bench_reverse(rows[r], stream);
