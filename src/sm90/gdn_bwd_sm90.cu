@@ -271,13 +271,14 @@ Status bwd_launch(const GdnBackwardParams& p) {
 
 // Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu: states
 // pass, reverse step, finish) for calls of at most kFusedBwdMaxPairs (sequence, value head) pairs
-// (bwd-54 in docs/design.md, the 32-row grid's shapes on the H100: 0.43-0.95 of the chunked
-// time on every such row; from 32 pairs 0.84-1.52, slower on 18 of 20 rows: once the pairs fill
-// the SMs, its ~20 us chunk step on one SM per pair has no pieces to spread), and whenever the
+// (the 32-row grid's shapes on the H100, forty-eighth session: 0.39-0.92 of the chunked time at
+// up to 16 pairs, 0.74-1.19 at 32 (geomean ~0.93, slower on 2 of 8 rows), 1.09-1.31 on every row
+// of 64 pairs: once the pairs fill the SMs, its ~15 us chunk step on one SM per pair has few
+// pieces to spread, and the longest sequence's chain sets the time), and whenever the
 // caller asks for pieces (split = kOn: only it splits) or for batch invariance (a choice by the
 // call's pair count would let the rest of the batch pick the path). The chunked backward
 // elsewhere, until the fused one is faster everywhere.
-constexpr int64_t kFusedBwdMaxPairs = 16;
+constexpr int64_t kFusedBwdMaxPairs = 32;
 #ifdef QLA_SM90_TEST_HOOKS
 int g_test_bwd_path = 0;  // test builds: 1 the chunked backward, 2 the fused one, 0 the rule below
 #endif
