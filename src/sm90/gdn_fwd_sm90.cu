@@ -487,10 +487,11 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   };
   // The states pass's chunks from their entering states (pass 1, or the one pass unsplit): at V
   // tile 128 where V tile 64's two CTAs per piece and value head would not fit one wave of the
-  // SMs (the backward's plan keeps its pieces x value heads within one), else at V tile 64. This
-  // pass is bound by memory (each chunk reads K, V, Tu and writes the 32 KiB S'), and at 64 two
-  // CTAs read the same K and Tu. The pieces: the bound less one per sequence (piece_bounds:
-  // N + chunks / piece_chunks), exact for equal pieces.
+  // SMs (the backward's plan keeps its pieces x value heads within one), else at V tile 64. The
+  // lean step is bound by what a CTA's math warpgroups share (the producer's loads, the aux's
+  // conversion: bwd-55 in docs/design.md), which at 64 two CTAs repeat for the same chunk. The
+  // pieces: the bound less one per sequence (piece_bounds: N + chunks / piece_chunks), exact for
+  // equal pieces.
   const int64_t states_pieces = sc.max_pieces ? std::max<int64_t>(1, sc.max_pieces - N) : N;
   bool states_vt128 = 2 * states_pieces * HV > sms;
 #ifdef QLA_SM90_TEST_HOOKS
