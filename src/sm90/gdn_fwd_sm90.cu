@@ -152,6 +152,7 @@ struct SplitChoice {
   bool fused = false;      // the fused forward (else the two-pass one)
   bool pass1_vt128 = false;  // a split call's pass 1 at V tile 128 (pass 0 runs lean at 64)
   bool device_plan = false;  // plan refined by gdn_chunk_table (device-only lengths)
+  bool fill = false;  // the fused backward's plan (step_choice): its pieces' CTAs within the SMs
   PiecePlan plan;
   int64_t max_pieces = 0;  // over all sequences; 0: unsplit
   int64_t max_maps = 0;    // pieces followed by another of their sequence (split.cuh, map_at)
@@ -409,6 +410,7 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
     dp.hv = HV;
     dp.sms = sms;
     dp.pass1_v128 = sc.pass1_vt128;
+    dp.fill = sc.fill;
   }
   gdn_chunk_table<<<1, 1024, 0, stream>>>(sd, N, table, ready, ready ? nregions : 0, sc.plan, pieces, places, dp,
                                           pool_index(p.initial_state_indices, p.initial_state_slots),
@@ -491,8 +493,9 @@ Status launch_fused(const GdnForwardParams& p, const SplitChoice& sc, const WsLa
   // lean step is bound by what a CTA's math warpgroups share (the producer's loads, the aux's
   // conversion: bwd-55 in docs/design.md), which at 64 two CTAs repeat for the same chunk. The
   // pieces: the bound less one per sequence (piece_bounds: N + chunks / piece_chunks), exact for
-  // equal pieces.
-  const int64_t states_pieces = sc.max_pieces ? std::max<int64_t>(1, sc.max_pieces - N) : N;
+  // equal pieces; the fused backward's own plan keeps them within sms / HV (step_choice).
+  int64_t states_pieces = sc.max_pieces ? std::max<int64_t>(1, sc.max_pieces - N) : N;
+  if (sc.fill) states_pieces = std::min<int64_t>(states_pieces, sms / HV);
   bool states_vt128 = 2 * states_pieces * HV > sms;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_pass1_vt) states_vt128 = g_test_pass1_vt == 128;
@@ -649,55 +652,66 @@ struct BwdLayout {
   size_t tm = 0, simg = 0, dqp = 0, dkp = 0, total = 0;
   bool partials = false;  // dq, dk per value head into dqp, dkp (groups of several value heads)
 };
-// The fused backward's pieces. Its reverse step takes ~20 us a chunk on one SM, about ten times
-// the forward's chunk, so the forward's plan, which weighs the forward's costs, left SMs idle
-// where the sequences are few or uneven (bwd-54 in docs/design.md: 2/4 at 8192 tokens in four
-// sequences 3.9x the chunked backward). Instead, unless the call brings a plan (split on with
-// split_chunks, batch_invariant) or turns splitting off, and while the (sequence, value head)
-// pairs fill at most half the SMs (beyond, the forward's plan): pieces of one length pc, the
-// shortest that keeps every piece's CTA in one wave of the SMs (no CTA waits for another's SM):
-//   sequences of one known length L (a batch of rows, or one sequence): k = floor(sms / pairs)
-//     pieces each, pc = ceil(L / k);
-//   device lengths: the CTAs number at most HV (chunks / pc + N) (each sequence's last piece
-//     partial), within sms for pc = ceil(HV chunks / (sms - pairs)), chunks the bound.
+// The fused backward's pieces. Its reverse step takes ~15-20 us a chunk on one SM, about ten
+// times the forward's chunk, so the forward's plan, which weighs the forward's costs, left SMs
+// idle where the sequences are few or uneven (bwd-54 in docs/design.md: 2/4 at 8192 tokens in
+// four sequences 3.9x the chunked backward). Instead, unless the call brings a plan (split on
+// with split_chunks, batch_invariant) or turns splitting off, and while the (sequence, value
+// head) pairs fill at most half the SMs (beyond, the forward's plan): the shortest pieces whose
+// CTAs all fit in one wave of the SMs (fill_piece_chunks in split_plan.cuh), so that no CTA
+// waits for another's SM and the longest piece's chain is as short as the SMs allow:
+//   lengths known on the host (a batch of rows, one sequence, or cu_seqlens_host): that plan;
+//   device-only lengths: the bound pc >= ceil(HV chunks / sms) (the pieces number at least
+//     chunks / pc) sizes the grids and the workspace, and gdn_chunk_table makes the plan from
+//     the true lengths (DevicePlan::fill). Until the fiftieth session this case took pc =
+//     ceil(HV chunks / (sms - pairs)), a bound for any lengths made on the host: at 64 pairs of
+//     four 8192-token sequences pieces of 121 and 7 chunks instead of 64 (bwd-66).
 // No piece shorter than kStepMinPieceChunks (each adds a warm-up or a transfer map and a scan
-// step: bwd-54 measured 8 against 16 and 32); sequences no longer than pc stay whole.
+// step: bwd-54 measured 8 against 16 and 32); sequences no longer than a piece stay whole.
 constexpr int kStepMinPieceChunks = 8;
 #ifdef QLA_SM90_TEST_HOOKS
 int g_test_step_min_piece = 0;  // test builds: > 0 the shortest piece, -1 the forward's plan
 #endif
-GdnForwardParams step_plan_params(const GdnForwardParams& f, int sms) {
-  GdnForwardParams g = f;
+SplitChoice step_choice(const GdnForwardParams& f, int sms) {
   const int64_t N = num_seqs(f), HV = f.shape.num_v_heads, pairs = N * HV;
-  if (f.split != SplitMode::kAuto || f.batch_invariant || pairs == 0 || 2 * pairs > sms) return g;
+  if (f.split != SplitMode::kAuto || f.batch_invariant || pairs == 0 || 2 * pairs > sms)
+    return forward_choice(f, sms, /*fused_only=*/true);
   int64_t shortest = kStepMinPieceChunks;
 #ifdef QLA_SM90_TEST_HOOKS
-  if (g_test_step_min_piece < 0) return g;
+  if (g_test_step_min_piece < 0) return forward_choice(f, sms, true);
   if (g_test_step_min_piece > 0) shortest = g_test_step_min_piece;
 #endif
+  GdnForwardParams g = f;
   const ChunkCounts counts = chunk_counts(f);
+  const int longest = static_cast<int>(std::min<int64_t>(counts.longest, INT32_MAX));
+  const bool device_lengths = f.cu_seqlens.data && !f.cu_seqlens_host && N > 1;
   int64_t pc = 0;
-  if (!f.cu_seqlens.data || N == 1) {
-    const int64_t k = std::max<int64_t>(1, sms / pairs);
-    pc = (counts.longest + k - 1) / k;
+  if (device_lengths) {
+    pc = std::max<int64_t>(shortest, (HV * max_chunks(f) + sms - 1) / sms);
   } else {
-    const int64_t chunks = counts.total ? counts.total : max_chunks(f);
-    pc = (HV * chunks + (sms - pairs) - 1) / (sms - pairs);
+    // The host's lengths (chunks): sequence n's, or every row's.
+    auto chunks_of = [&](int64_t n) {
+      return f.cu_seqlens.data && f.cu_seqlens_host ? static_cast<int>((f.cu_seqlens_host[n + 1] - f.cu_seqlens_host[n] + kC - 1) / kC) : longest;
+    };
+    pc = fill_piece_chunks(static_cast<int>(std::min<int64_t>(shortest, INT32_MAX)), longest, sms, [&](int c) {
+      const PiecePlan pl{c, kMaxPiecesPerSeq};
+      int64_t n_pieces = 0;
+      for (int64_t n = 0; n < N; ++n) n_pieces += piece_split(chunks_of(n), pl).np;
+      return n_pieces * HV;
+    });
   }
-  pc = std::max<int64_t>(pc, shortest);
-  if (counts.longest <= pc || pc > INT32_MAX) {
-    g.split = SplitMode::kOff;
-    return g;
-  }
-  g.split = SplitMode::kOn;
-  g.split_chunks = static_cast<int>(pc);
-  return g;
+  g.split = counts.longest <= pc ? SplitMode::kOff : SplitMode::kOn;
+  g.split_chunks = g.split == SplitMode::kOn ? static_cast<int>(pc) : 0;
+  SplitChoice sc = forward_choice(g, sms, /*fused_only=*/true);
+  sc.fill = sc.max_pieces > 0;
+  sc.device_plan = sc.fill && device_lengths;
+  return sc;
 }
 
 BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   BwdLayout l;
-  l.sc = forward_choice(step_plan_params(f, sms), sms, /*fused_only=*/true);
+  l.sc = step_choice(f, sms);
   l.fwd = ws_layout(f, l.sc);
   const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
   const size_t part = static_cast<size_t>(f.shape.batch) * static_cast<size_t>(f.shape.seqlen) *

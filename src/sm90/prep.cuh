@@ -162,6 +162,7 @@ struct DevicePlan {
   int* out = nullptr;  // [piece_chunks, max_pieces]; null: the host's plan is final
   int hv = 0, sms = 0;
   bool pass1_v128 = false;
+  bool fill = false;  // the fused backward's rule (fill_piece_chunks, from the bound's piece length), not the cost model
 };
 // The refined plan by warp 0: lane l weighs np = l + 1 and l + 33 (refine_candidate), then the
 // least cost, ties to the fewest pieces, as refine_plan orders them (its host reference).
@@ -241,9 +242,23 @@ __global__ void __launch_bounds__(1024) gdn_chunk_table(SeqDesc sd, int N, int* 
     __syncthreads();
     if (tid < 32) {
       const int longest = s_longest;
-      // The pairs as forward_choice counts them: each sequence by its share of the longest chain.
-      const double pairs = longest > 0 ? static_cast<double>(off[N]) / longest * dp.hv : 0.0;
-      const PiecePlan r = longest > 0 ? refine_plan_warp(plan, longest, pairs, dp) : PiecePlan{};
+      PiecePlan r{};
+      if (dp.fill) {
+        // The fused backward: the shortest pieces whose CTAs fit the SMs, each candidate's pieces
+        // counted by the warp's lanes (sequences lane-strided; integer sums, so every lane agrees).
+        auto ctas = [&](int pc) {
+          const PiecePlan pl{pc, kMaxPiecesPerSeq};
+          int c = 0;
+          for (int n = tid; n < N; n += 32) c += piece_split(off[n + 1] - off[n], pl).np;
+          return static_cast<int64_t>(__reduce_add_sync(0xffffffffu, c)) * dp.hv;
+        };
+        const int pc = longest > 0 ? fill_piece_chunks(plan.piece_chunks, longest, dp.sms, ctas) : 0;
+        if (pc < longest) r = PiecePlan{pc, kMaxPiecesPerSeq};
+      } else if (longest > 0) {
+        // The pairs as forward_choice counts them: each sequence by its share of the longest chain.
+        const double pairs = static_cast<double>(off[N]) / longest * dp.hv;
+        r = refine_plan_warp(plan, longest, pairs, dp);
+      }
       if (tid == 0) {
         s_plan = r;
         dp.out[0] = r.piece_chunks, dp.out[1] = r.max_pieces;

@@ -103,5 +103,25 @@ __host__ __device__ inline PiecePlan refine_plan(const PiecePlan& bound, int lon
   return best_cost < kSplitMinGain * unsplit ? best : PiecePlan{};
 }
 
+// The fused backward's pieces (step_choice in gdn_fwd_sm90.cu; with device-only lengths
+// gdn_chunk_table, from the true ones). Its reverse step takes ~15-20 us a chunk on one SM, so
+// a call's time is its longest piece's chain as long as every piece's CTA has an SM: the plan is
+// the shortest piece length pc in [lo, longest] whose pieces (piece_split of each sequence,
+// times the value heads) fit within cap (the SMs); longest when none does. ctas(pc) counts them;
+// it does not grow with pc (piece_split's np = ceil(n / ceil(n / min(ceil(n / pc), max)))), so
+// a bisection finds the least. lo: the shortest piece allowed, at least the bound that sized the
+// workspace (ceil(HV chunks / sms): the pieces number at least chunks / pc).
+template <class Ctas>
+__host__ __device__ inline int fill_piece_chunks(int lo, int longest, int64_t cap, Ctas ctas) {
+  if (lo >= longest || ctas(lo) <= cap) return lo < longest ? lo : longest;
+  int a = lo, b = longest;  // ctas(a) > cap; b fits or is the fallback
+  while (b - a > 1) {
+    const int m = a + (b - a) / 2;
+    if (ctas(m) <= cap) b = m;
+    else a = m;
+  }
+  return b;
+}
+
 }  // namespace sm90
 }  // namespace qla

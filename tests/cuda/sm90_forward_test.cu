@@ -1284,8 +1284,12 @@ static void run_backward_once(int row, cudaStream_t stream) {
 }
 
 static void bench_backward_paths(cudaStream_t stream) {
+  // QLA_BWD_PATHS_PAIRS="32,64": only the rows of those pair counts.
+  const char* only = std::getenv("QLA_BWD_PATHS_PAIRS");
   for (const Case& c : backward_grid_cases()) {
     const int64_t total = c.B * c.T > 0 ? c.B * c.T : std::accumulate(c.lens.begin(), c.lens.end(), int64_t(0));
+    const int64_t n_pairs = (c.lens.empty() ? c.B : static_cast<int64_t>(c.lens.size())) * c.HV;
+    if (only && ("," + std::string(only) + ",").find("," + std::to_string(n_pairs) + ",") == std::string::npos) continue;
     Problem P = make_problem(c);
     Dev D;
     setup(P, D, stream);
@@ -1559,6 +1563,17 @@ int main(int argc, char** argv) {
       // The chunked backward on the cases of the ordinary input range (its finish kernel is shared).
       for (size_t i : {3, 4, 5, 6, 8})
         if (i < rc.size()) ok = check_library_backward(rc[i], 5771 + i, stream, 1) && ok;
+      // The fused backward's own plan where it is not the bound's (step_choice): 64 pairs of
+      // uneven sequences (32, 24, 11 and 1 chunks; pieces of 11 chunks fill 128 of the SMs), from
+      // the device lengths (gdn_chunk_table's fill rule) and from the host's.
+      for (bool host : {false, true}) {
+        Case c;
+        c.name = host ? "fill plan, host lengths" : "fill plan, device lengths";
+        c.B = 1, c.T = 0, c.H = 4, c.HV = 16, c.gmode = 3;
+        c.lens = {2000, 1500, 700, 64};
+        c.host_lens = host;
+        ok = check_library_backward(c, 2771 + host, stream, 2) && ok;
+      }
       // Forced pieces: the fused backward's split passes (the exact path and the mirror).
       g_split = qla::SplitMode::kOn;
       for (int chunks : {3, 8}) {

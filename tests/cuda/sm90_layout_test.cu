@@ -5,8 +5,8 @@
 // gradients kernel's second views (DD_MN, VTok_MN) must name the same bytes. Also the sort key
 // of the sequential passes' longest-first launch order (order_bucket), and the split forward's
 // pieces (piece_split) against the workspace bounds computed from shapes (piece_bounds), and the
-// overlapped prep's level order of chunks (level_order_chunk), and the rows of a TMA box as
-// zero_box_rows sees them.
+// overlapped prep's level order of chunks (level_order_chunk), the fused backward's pieces
+// (fill_piece_chunks), and the rows of a TMA box as zero_box_rows sees them.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -178,6 +178,51 @@ int refine_violations() {
   }
   return bad;
 }
+// fill_piece_chunks (split_plan.cuh: the fused backward's pieces, on the host with the host
+// lengths and in gdn_chunk_table with the true ones): over random calls of at most sms / 2
+// pairs, the least piece length in [lo, longest] whose CTAs fit the SMs (against a linear scan),
+// and within the bound plan {lo} that sized the grids and the workspace (no sequence gets more
+// pieces than under it, the call no more than piece_bounds gives).
+int fill_violations() {
+  std::mt19937 rng(13);
+  const int sms = 132;
+  int bad = 0;
+  for (int it = 0; it < 3000; ++it) {
+    const int hv = 1 << (rng() % 6);
+    const int N = 1 + static_cast<int>(rng() % std::max(1, sms / 2 / hv));
+    std::vector<int> nch(N);
+    int longest = 0, total = 0;
+    for (int& c : nch) {
+      c = rng() % 5 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % (1 + rng() % 1024));
+      longest = std::max(longest, c);
+      total += c;
+    }
+    const int bound_chunks = total + static_cast<int>(rng() % 64);  // the shapes' bound on the total
+    const int shortest = 1 + static_cast<int>(rng() % 16);
+    const int lo = std::max(shortest, (hv * bound_chunks + sms - 1) / sms);
+    auto pieces_at = [&](int pc, int n) { return piece_split(nch[n], PiecePlan{pc, kMaxPiecesPerSeq}).np; };
+    auto ctas = [&](int pc) {
+      int64_t c = 0;
+      for (int n = 0; n < N; ++n) c += pieces_at(pc, n);
+      return c * hv;
+    };
+    const int pc = fill_piece_chunks(lo, longest, sms, ctas);
+    int least = longest;  // the linear scan's answer
+    for (int c = lo; c < longest; ++c)
+      if (ctas(c) <= sms) { least = c; break; }
+    if (pc != least) ++bad;
+    if (pc >= longest) continue;  // every sequence whole
+    if (pc < lo || ctas(pc) > sms) ++bad;
+    const PiecePlan bound{lo, kMaxPiecesPerSeq};
+    int64_t n_pieces = 0;
+    for (int n = 0; n < N; ++n) {
+      n_pieces += pieces_at(pc, n);
+      if (pieces_at(pc, n) > piece_split(nch[n], bound).np) ++bad;
+    }
+    if (n_pieces > piece_bounds(N, int64_t(64) * bound_chunks, bound_chunks, bound).pieces) ++bad;
+  }
+  return bad;
+}
 }  // namespace
 
 // zero_box_rows (common.cuh) zeroes rows len .. 63 of a TMA box as the bytes from row_bytes len
@@ -242,7 +287,9 @@ int main() {
   const int pcs = piece_violations();
   const int lvl = level_order_violations();
   const int ref = refine_violations();
+  const int fill = fill_violations();
   std::printf("image layout mismatches: bf16 %d, fp16 %d; launch-order key violations %d; piece plan violations %d; "
-              "level order violations %d; refined plan violations %d\n", bf, fp, key, pcs, lvl, ref);
-  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && lvl == 0 && ref == 0 ? 0 : 1;
+              "level order violations %d; refined plan violations %d; fill plan violations %d\n", bf, fp, key, pcs, lvl,
+              ref, fill);
+  return bf == 0 && fp == 0 && key == 0 && pcs == 0 && lvl == 0 && ref == 0 && fill == 0 ? 0 : 1;
 }
