@@ -663,7 +663,7 @@ struct BwdLayout {
 //   lengths known on the host (a batch of rows, one sequence, or cu_seqlens_host): that plan;
 //   device-only lengths: the bound pc >= ceil(HV chunks / sms) (the pieces number at least
 //     chunks / pc) sizes the grids and the workspace, and gdn_chunk_table makes the plan from
-//     the true lengths (DevicePlan::fill). Until the fiftieth session this case took pc =
+//     the true lengths (DevicePlan::fill). Until the forty-ninth session this case took pc =
 //     ceil(HV chunks / (sms - pairs)), a bound for any lengths made on the host: at 64 pairs of
 //     four 8192-token sequences pieces of 121 and 7 chunks instead of 64 (bwd-66).
 // No piece shorter than kStepMinPieceChunks (each adds a warm-up or a transfer map and a scan
