@@ -1,8 +1,8 @@
 // The last launch of both sm90 backwards: dq and dk summed over each value-head group from the
 // per-value-head partials (fp32 from the chunked backward's gradients kernel, the input type from
 // the fused backward's reverse step; none where every group has one value head and the step
-// wrote dq, dk in place), and NaN in every output when the device cu_seqlens are malformed
-// (off[N + 1] set by the chunk table).
+// wrote dq, dk in place, or two and it added them in, after gdn_bwd_zero_dqk), and NaN in every
+// output when the device cu_seqlens are malformed (off[N + 1] set by the chunk table).
 #pragma once
 
 #include "common.cuh"
@@ -65,6 +65,38 @@ __device__ __forceinline__ void store8(T* dst, const float (&x)[8], bool vec16) 
   }
 }
 
+// Row (token, key head) i of dq, dk: its flat token bt = b T + t and key head h. 32-bit
+// arithmetic where the rows fit (64-bit division costs more than the memory traffic it
+// addresses).
+struct FinishRow {
+  int64_t bt, h, b, t;
+};
+__device__ __forceinline__ FinishRow finish_row(const FinishParams& p, int64_t row, bool idx32) {
+  if (idx32) {
+    const uint32_t r = static_cast<uint32_t>(row), q = r / static_cast<uint32_t>(p.H);
+    const uint32_t b = q / static_cast<uint32_t>(p.T);
+    return {q, r - q * static_cast<uint32_t>(p.H), b, q - b * static_cast<uint32_t>(p.T)};
+  }
+  return {row / p.H, row % p.H, row / p.H / p.T, row / p.H % p.T};
+}
+
+// Before the fused backward's reverse step where it adds each value head's dq, dk into the
+// caller's tensors (two value heads a key head, RecParams::dqk_add): both zeroed, 8 elements a
+// thread.
+template <class T>
+__global__ void __launch_bounds__(256) gdn_bwd_zero_dqk(const __grid_constant__ FinishParams p) {
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t rows = p.B * p.T * p.H, n8 = rows * (kDK / 8);
+  const bool idx32 = rows <= INT32_MAX;
+  const float zero[8] = {};
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n8; i += nthreads) {
+    const int d8 = static_cast<int>(i % (kDK / 8)) * 8;
+    const FinishRow w = finish_row(p, i / (kDK / 8), idx32);
+    store8(static_cast<T*>(p.dq) + w.b * p.sdq[0] + w.t * p.sdq[1] + w.h * p.sdq[2] + d8, zero, p.dq_vec16);
+    store8(static_cast<T*>(p.dk) + w.b * p.sdk[0] + w.t * p.sdk[1] + w.h * p.sdk[2] + d8, zero, p.dk_vec16);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(256) gdn_bwd_finish(const __grid_constant__ FinishParams p) {
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -74,21 +106,12 @@ __global__ void __launch_bounds__(256) gdn_bwd_finish(const __grid_constant__ Fi
   if (!bad && p.partial_bytes == 0) return;
   const float nan = __int_as_float(0x7fc00000);
   // dq, dk: 8 consecutive d per thread, each group's partials summed in fp32 in a fixed order.
-  // Row (token, key head) indices in 32 bits where they fit (64-bit division costs more than
-  // the memory traffic it addresses).
   const int64_t rows = p.B * p.T * p.H, n8 = rows * (kDK / 8);
   const bool idx32 = rows <= INT32_MAX;
   for (int64_t i = first; i < n8; i += nthreads) {
     const int d8 = static_cast<int>(i % (kDK / 8)) * 8;
-    const int64_t row = i / (kDK / 8);
-    int64_t bt, h, bb, t;
-    if (idx32) {
-      const uint32_t r = static_cast<uint32_t>(row), q = r / static_cast<uint32_t>(p.H);
-      const uint32_t b = q / static_cast<uint32_t>(p.T);
-      bt = q, h = r - q * static_cast<uint32_t>(p.H), bb = b, t = q - b * static_cast<uint32_t>(p.T);
-    } else {
-      bt = row / p.H, h = row % p.H, bb = bt / p.T, t = bt % p.T;
-    }
+    const FinishRow w = finish_row(p, i / (kDK / 8), idx32);
+    const int64_t bt = w.bt, h = w.h, bb = w.b, t = w.t;
     float sq[8] = {}, sk[8] = {};
     for (int gi = 0; gi < G && p.partial_bytes; ++gi) {
       const int64_t src = (bt * p.HV + h * G + gi) * kDK + d8;

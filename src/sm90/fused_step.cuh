@@ -339,17 +339,30 @@ __device__ __forceinline__ float2 row_dot(const Acc& acc, uint32_t tile, int wt)
 }
 // A gradient's (tok, 128) TokD_K tile in shared memory out through its tensor map's two 64-column
 // boxes at (value head hv, token t0, sequence b); one thread issues, one bulk group committed.
-__device__ __forceinline__ void store_tile_boxes(const CUtensorMap* map, const uint8_t* tile, int hv, int t0, int b) {
+// (add: added into the tensor's elements instead, RecParams::dqk_add.)
+__device__ __forceinline__ void store_tile_boxes(const CUtensorMap* map, const uint8_t* tile, int hv, int t0, int b,
+                                                 bool add = false) {
   CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) tma_store_4d(map, tile + h * (kQKBytes / 2), h * 64, hv, t0, b);
+  for (int h = 0; h < 2; ++h) {
+    if (add) tma_reduce_add_4d(map, tile + h * (kQKBytes / 2), h * 64, hv, t0, b);
+    else tma_store_4d(map, tile + h * (kQKBytes / 2), h * 64, hv, t0, b);
+  }
   bulk_commit();
+}
+// Two 16-bit values added into global memory (one rounding, as the bulk reduction's).
+template <class T>
+__device__ __forceinline__ void red_add2(uint32_t* g, uint32_t v) {
+  if constexpr (std::is_same<T, cutlass::half_t>::value)
+    asm volatile("red.global.add.noftz.f16x2 [%0], %1;" ::"l"(g), "r"(v) : "memory");
+  else
+    asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(g), "r"(v) : "memory");
 }
 // The same tile out by the warpgroup's generic stores (a partial chunk, whose boxes would write
 // past the sequence's end, or strides a tensor map cannot take): its rows < len to base (row
 // stride ld elements, unit column stride), four 4-byte stores a 16-byte run. One rolled path for
 // every gradient, so that the cold case adds little code beside the hot one.
 template <class T>
-__device__ __forceinline__ void store_tile_rows(uint32_t tile, T* base, int64_t ld, int len, int wt) {
+__device__ __forceinline__ void store_tile_rows(uint32_t tile, T* base, int64_t ld, int len, int wt, bool add = false) {
   #pragma unroll 1
   for (int r = 0; r < 8; ++r) {
     const uint32_t b = run_byte(wt, r);
@@ -358,10 +371,17 @@ __device__ __forceinline__ void store_tile_rows(uint32_t tile, T* base, int64_t 
       const int col = 64 * static_cast<int>(b >> 13) + 8 * static_cast<int>(((b >> 4) & 7u) ^ (row & 7));  // (the swizzle undone)
       const uint4 u = lds_u128(tile + b);
       uint32_t* g = reinterpret_cast<uint32_t*>(base + row * ld + col);
-      g[0] = u.x;
-      g[1] = u.y;
-      g[2] = u.z;
-      g[3] = u.w;
+      if (add) {
+        red_add2<T>(g, u.x);
+        red_add2<T>(g + 1, u.y);
+        red_add2<T>(g + 2, u.z);
+        red_add2<T>(g + 3, u.w);
+      } else {
+        g[0] = u.x;
+        g[1] = u.y;
+        g[2] = u.z;
+        g[3] = u.w;
+      }
     }
   }
 }
@@ -805,13 +825,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
           fence_async_smem();
           wg_bar(kBarStepA);
           if (wt == 0) {
-            store_tile_boxes(&p.tmdq, sm + Cfg::kQg, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
+            store_tile_boxes(&p.tmdq, sm + Cfg::kQg, tile.hv >> p.dqk_add, static_cast<int>(t0), static_cast<int>(tile.b),
+                             p.dqk_add);
             bulk_wait_read();
           }
         } else {
           wg_bar(kBarStepA);
-          store_tile_rows<T>(smem_u32(sm + Cfg::kQg), dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv) * p.sdq[2],
-                             p.sdq[1], len, wt);
+          store_tile_rows<T>(smem_u32(sm + Cfg::kQg),
+                             dq + tile.b * p.sdq[0] + t0 * p.sdq[1] + static_cast<int64_t>(tile.hv >> p.dqk_add) * p.sdq[2],
+                             p.sdq[1], len, wt, p.dqk_add);
         }
         if (p.dg && p.dk) {
           // R_P = strict(dP o P) = strict(dA o Q K^T) (B30; Q K^T again, raw; after dq, whose
@@ -1348,12 +1370,15 @@ __global__ void __launch_bounds__(StepCfg::kThreads, 1) gdn_bwd_fused_step(const
         if (p.dk_tma && len == kC) {
           fence_async_smem();
           wg_bar(kBarStepK);
-          if (wt == 0) store_tile_boxes(&p.tmdk, sm + Cfg::kDU, tile.hv, static_cast<int>(t0), static_cast<int>(tile.b));
+          if (wt == 0)
+            store_tile_boxes(&p.tmdk, sm + Cfg::kDU, tile.hv >> p.dqk_add, static_cast<int>(t0), static_cast<int>(tile.b),
+                             p.dqk_add);
         } else {
           wg_bar(kBarStepK);
           store_tile_rows<T>(smem_u32(sm + Cfg::kDU),
-                             static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] + static_cast<int64_t>(tile.hv) * p.sdk[2], p.sdk[1],
-                             len, wt);
+                             static_cast<T*>(p.dk) + tile.b * p.sdk[0] + t0 * p.sdk[1] +
+                                 static_cast<int64_t>(tile.hv >> p.dqk_add) * p.sdk[2],
+                             p.sdk[1], len, wt, p.dqk_add);
         }
         if ((wt & 3) == 0) {
           const int64_t bo = tile.b * p.sdb[0] + static_cast<int64_t>(tile.hv);

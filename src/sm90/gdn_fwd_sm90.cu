@@ -613,11 +613,15 @@ Status launch(const GdnForwardParams& p, const SplitChoice& sc, const WsLayout& 
 //      gdn_bwd_scan (the gradient crossing the pieces by the transposed maps), pass 1 (every
 //      piece, with the gradients);
 //   3. gdn_bwd_finish (bwd_finish.cuh): dq, dk summed over each value-head group from the
-//      step's per-value-head partials (none where a group is one value head: the step writes
-//      dq, dk in place), NaN in every output on malformed device cu_seqlens.
+//      step's per-value-head partials, and NaN in every output on malformed device cu_seqlens.
+//      No partials where a group is one value head (the step writes dq, dk in place) or two:
+//      gdn_bwd_zero_dqk zeroes dq, dk first and the step adds each value head's part in
+//      (RecParams::dqk_add: two additions onto zero commute, so the bits are those of the
+//      finish's sum whichever CTA comes first), without the partials' round trip (at 8/16
+//      1x32768 ~670 MB of traffic less ~270) or their workspace.
 // Workspace: the forward's layout for its plan, then T' (8 KiB) and S' (kSImgBytes) per (chunk,
-// value head), and with groups of several value heads the dq, dk partials (input type, 2 x 256
-// bytes per token and value head).
+// value head), and with groups of more than two value heads the dq, dk partials (input type,
+// 2 x 256 bytes per token and value head).
 // ---------------------------------------------------------------------------------------------
 
 // The states pass's forward params (no o, no final state).
@@ -650,7 +654,8 @@ struct BwdLayout {
   SplitChoice sc;  // the split model's plan for the fused kernels (forward_choice, fused_only)
   WsLayout fwd;    // its workspace, at the start
   size_t tm = 0, simg = 0, dqp = 0, dkp = 0, total = 0;
-  bool partials = false;  // dq, dk per value head into dqp, dkp (groups of several value heads)
+  bool partials = false;  // dq, dk per value head into dqp, dkp (groups of more than two value heads)
+  bool dqk_add = false;   // two value heads a key head: the step adds dq, dk into the caller's (RecParams::dqk_add)
 };
 // The fused backward's pieces. Its reverse step takes ~15-20 us a chunk on one SM, about ten
 // times the forward's chunk, so the forward's plan, which weighs the forward's costs, left SMs
@@ -708,6 +713,9 @@ SplitChoice step_choice(const GdnForwardParams& f, int sms) {
   return sc;
 }
 
+#ifdef QLA_SM90_TEST_HOOKS
+int g_test_dqk_partials = 0;  // test builds: 1 keeps pairs of value heads on the partials and the finish's sums
+#endif
 BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   auto up = [](size_t x) { return (x + 1023) & ~size_t(1023); };
   BwdLayout l;
@@ -716,7 +724,11 @@ BwdLayout bwd_layout(const GdnForwardParams& f, int sms) {
   const size_t nreg = static_cast<size_t>(max_chunks(f)) * static_cast<size_t>(f.shape.num_v_heads);
   const size_t part = static_cast<size_t>(f.shape.batch) * static_cast<size_t>(f.shape.seqlen) *
                       static_cast<size_t>(f.shape.num_v_heads) * kDK * 2;
-  l.partials = f.shape.num_v_heads != f.shape.num_qk_heads;
+  l.dqk_add = f.shape.num_v_heads == 2 * f.shape.num_qk_heads;
+#ifdef QLA_SM90_TEST_HOOKS
+  if (g_test_dqk_partials) l.dqk_add = false;
+#endif
+  l.partials = f.shape.num_v_heads != f.shape.num_qk_heads && !l.dqk_add;
   l.tm = up(l.fwd.total);
   l.simg = l.tm + up(nreg * kImgTokTok * 2);
   l.dqp = l.simg + up(nreg * kSImgBytes);
@@ -787,7 +799,7 @@ template <class T>
 Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const WsLayout& wl, const BwdMaps& maps,
                          const TensorRef& dht, const MutTensorRef& dh0, const MutTensorRef& dv, const void* simg,
                          const MutTensorRef& dq, const MutTensorRef* dk, const MutTensorRef* dbeta, const void* tm,
-                         const MutTensorRef* dg) {
+                         const MutTensorRef* dg, bool dqk_add = false) {
   RecParams rp = reverse_params(f, wl, maps.q, maps.k, maps.v, dht, dh0);
   rp.tmdo = maps.d_o;
   rp.o = dv.data;
@@ -813,16 +825,19 @@ Status launch_fused_step(const GdnForwardParams& f, const SplitChoice& sc, const
     }
   }
   // Full chunks of dq and dv by bulk tensor stores where the layout allows a tensor map.
-  auto store_map = [&](const MutTensorRef& m, CUtensorMap* map) {
+  // (dq, dk added in: per key head, RecParams::dqk_add.)
+  auto store_map = [&](const MutTensorRef& m, CUtensorMap* map, int64_t heads) {
     TensorRef t;
     t.data = m.data;
     t.dtype = m.dtype;
     for (int i = 0; i < 3; ++i) t.stride[i] = m.stride[i];
-    return m.data && make_tile_map(map, t, f.shape.num_v_heads, f.shape).ok() ? 1 : 0;
+    return m.data && make_tile_map(map, t, heads, f.shape).ok() ? 1 : 0;
   };
-  rp.dq_tma = store_map(dq, &rp.tmdq);
-  rp.dv_tma = store_map(dv, &rp.tmdv);
-  rp.dk_tma = rp.dk ? store_map(*dk, &rp.tmdk) : 0;
+  rp.dqk_add = dqk_add ? 1 : 0;
+  const int64_t dqk_heads = dqk_add ? f.shape.num_qk_heads : f.shape.num_v_heads;
+  rp.dq_tma = store_map(dq, &rp.tmdq, dqk_heads);
+  rp.dv_tma = store_map(dv, &rp.tmdv, f.shape.num_v_heads);
+  rp.dk_tma = rp.dk ? store_map(*dk, &rp.tmdk, dqk_heads) : 0;
   rp.tiles_log2 = 0;  // one V tile of 128 per value head
   cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   const int N = static_cast<int>(num_seqs(f)), HV = static_cast<int>(f.shape.num_v_heads);
@@ -848,24 +863,7 @@ Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, co
   StatesPass sp;
   sp.tm = ws + bl.tm;
   sp.simg = ws + bl.simg;
-  s = launch_fused<T>(f, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(f), dinfo->sms, &sp, &maps.v);
-  // dq, dk per value head: the caller's tensors where each group is one value head, else the
-  // partials (contiguous [B * T][HV][K]) that the finish kernel sums.
-  MutTensorRef dq = b.dq, dk = b.dk;
-  if (bl.partials) {
-    const int64_t HV = f.shape.num_v_heads;
-    for (MutTensorRef* r : {&dq, &dk}) {
-      r->stride[0] = f.shape.seqlen * HV * kDK, r->stride[1] = HV * kDK, r->stride[2] = kDK;
-    }
-    dq.data = ws + bl.dqp;
-    dk.data = ws + bl.dkp;
-  }
-  if (s.ok())
-    s = launch_fused_step<T>(f, bl.sc, bl.fwd, maps, b.d_final_state, b.d_initial_state, b.dv, sp.simg, dq, &dk, &b.dbeta,
-                             sp.tm, &b.dg);
-  if (!s.ok()) return s;
-  // Nothing left to do where the step wrote dq, dk in place and no device cu_seqlens can be malformed.
-  if (!bl.partials && !f.cu_seqlens.data) return Status::Ok();
+  cudaStream_t stream = static_cast<cudaStream_t>(f.stream);
   FinishParams fp{};
   fp.dqp = ws + bl.dqp;
   fp.dkp = ws + bl.dkp;
@@ -891,8 +889,30 @@ Status launch_backward(const GdnBackwardParams& b, const GdnForwardParams& f, co
   fp.db_dt = static_cast<int>(b.dbeta.dtype);
   fp.dh0 = static_cast<float*>(b.d_initial_state.data);
   const int64_t work = std::max<int64_t>(f.shape.batch * f.shape.seqlen * f.shape.num_qk_heads * (kDK / 8), 1);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
-  gdn_bwd_finish<T><<<grid, 256, 0, static_cast<cudaStream_t>(f.stream)>>>(fp);
+  const unsigned fgrid = static_cast<unsigned>(std::min<int64_t>((work + 255) / 256, int64_t(dinfo->sms) * 8));
+  if (bl.dqk_add) {  // (the step adds each value head's dq, dk into them)
+    gdn_bwd_zero_dqk<T><<<fgrid, 256, 0, stream>>>(fp);
+    QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_zero_dqk");
+  }
+  s = launch_fused<T>(f, bl.sc, bl.fwd, maps.q, maps.k, seq_desc(f), dinfo->sms, &sp, &maps.v);
+  // dq, dk per value head: the caller's tensors where each group is one value head (or two,
+  // added in), else the partials (contiguous [B * T][HV][K]) that the finish kernel sums.
+  MutTensorRef dq = b.dq, dk = b.dk;
+  if (bl.partials) {
+    const int64_t HV = f.shape.num_v_heads;
+    for (MutTensorRef* r : {&dq, &dk}) {
+      r->stride[0] = f.shape.seqlen * HV * kDK, r->stride[1] = HV * kDK, r->stride[2] = kDK;
+    }
+    dq.data = ws + bl.dqp;
+    dk.data = ws + bl.dkp;
+  }
+  if (s.ok())
+    s = launch_fused_step<T>(f, bl.sc, bl.fwd, maps, b.d_final_state, b.d_initial_state, b.dv, sp.simg, dq, &dk, &b.dbeta,
+                             sp.tm, &b.dg, bl.dqk_add);
+  if (!s.ok()) return s;
+  // Nothing left to do where the step wrote dq, dk in place and no device cu_seqlens can be malformed.
+  if (!bl.partials && !f.cu_seqlens.data) return Status::Ok();
+  gdn_bwd_finish<T><<<fgrid, 256, 0, stream>>>(fp);
   QLA_CUDA_TRY(cudaGetLastError(), "launch gdn_bwd_finish");
   return Status::Ok();
 }
@@ -1019,6 +1039,7 @@ void set_test_fused_overlap(int on) { g_test_fused_overlap = on; }
 void set_test_pass1_vt(int vt) { g_test_pass1_vt = vt; }
 void set_test_reverse_maps_ready(int on) { g_test_reverse_maps_ready = on; }
 void set_test_step_min_piece(int chunks) { g_test_step_min_piece = chunks; }
+void set_test_dqk_partials(int on) { g_test_dqk_partials = on; }
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases() {  // the phase records of the kernels run since the last call
   print_phase_records<<<1, 1>>>();

@@ -88,6 +88,12 @@ struct RecParams {
   void* dg;  // with dk: dg ((b, t, value head), its dtype dg_dt; null: not formed)
   int64_t sdg[2];
   int dg_dt;
+  // Pairs of value heads a key head (HV = 2 H): dq and dk are the caller's tensors, per key head
+  // (tmdq, tmdk over the key heads), zeroed before the step, and each value head's part is added
+  // into them (bulk tensor reductions; generic 16-bit pair additions for partial chunks). Two
+  // additions onto zero commute, 0 + a + b = 0 + b + a, so the bits do not depend on which CTA
+  // comes first; they equal the group sum of the 16-bit partials (round(a + b)).
+  int dqk_add;
 };
 
 // The piece plan a pass or the scan splits by.

@@ -47,6 +47,7 @@ void set_test_reverse_maps_ready(int on);  // 1: the reverse step reuses an earl
 void set_test_pass1_vt(int vt);  // 64 / 128: a split call's pass-1 V tile, and the backward's states pass's (0: the plan's)
 void set_test_backward_path(int path);  // qla::sm90::backward: 1 the chunked backward, 2 the fused one, 0 its rule
 void set_test_step_min_piece(int chunks);  // the fused backward's shortest piece (0: its own; -1: the forward's plan)
+void set_test_dqk_partials(int on);  // 1: pairs of value heads through the partials and the finish (not added in)
 #ifdef QLA_FUSED_PROFILE
 void test_print_phases();  // prints the phase timers' records (and clears them)
 void test_set_phase_cta(int y);  // the phase timers record the CTA of blockIdx (0, y) (default 0)
@@ -1225,6 +1226,39 @@ static bool check_library_backward(const Case& c, uint64_t seed, cudaStream_t st
   return ok;
 }
 
+// The fused backward's dq, dk where two value heads share a key head: added into the zeroed
+// tensors by the step (RecParams::dqk_add) against the partials summed by the finish, bitwise
+// (both round the sum of the same two 16-bit values once), on two calls each.
+static bool check_dqk_add_bits(const Case& c, uint64_t seed, cudaStream_t stream) {
+  Problem P = make_problem(c);
+  make_inputs(P, seed);
+  Dev D;
+  setup(P, D, stream);
+  upload_inputs(P, D);
+  qla::sm90::set_test_backward_path(2);
+  std::vector<uint16_t> hq[4], hk[4], hv[4];
+  qla::Status s;
+  for (int run = 0; run < 4 && s.ok(); ++run) {
+    qla::sm90::set_test_dqk_partials(run >= 2);
+    LibBwdBuffers b(P, D, stream);
+    b.poison(P, D);
+    s = qla::sm90::backward(b.bp);
+    CK(cudaStreamSynchronize(stream));
+    hq[run].resize(b.n_q), hk[run].resize(b.n_q), hv[run].resize(b.n_v);
+    CK(cudaMemcpy(hq[run].data(), b.dq, b.n_q * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hk[run].data(), b.dk, b.n_q * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hv[run].data(), b.dv, b.n_v * 2, cudaMemcpyDeviceToHost));
+  }
+  qla::sm90::set_test_dqk_partials(0);
+  qla::sm90::set_test_backward_path(0);
+  free_dev(D);
+  bool same = s.ok();
+  for (int run = 1; run < 4 && same; ++run) same = hq[run] == hq[0] && hk[run] == hk[0] && hv[run] == hv[0];
+  std::printf("dq, dk added in against the finish's sums %-34s N=%-3lld HV=%-2lld  %s\n", c.name.c_str(), (long long)P.N,
+              (long long)c.HV, !s.ok() ? s.message().c_str() : same ? "bitwise equal, ok" : "differ, FAIL");
+  return same;
+}
+
 // The library's backward on the backward grid's shapes (benchmarks.md: 8192 or 32768 tokens cut
 // into 1, 2, 4, 8 sequences, heads 16/32, 8/16, 4/8, 2/4; own cut points), bench inputs, each path
 // forced, alternated twice: eager event medians of qla::sm90::backward.
@@ -1574,6 +1608,9 @@ int main(int argc, char** argv) {
         c.host_lens = host;
         ok = check_library_backward(c, 2771 + host, stream, 2) && ok;
       }
+      // dq, dk added in (two value heads a key head) against the partials and the finish: full
+      // chunks by bulk reductions, partial ones by generic pair additions, fp16 and bf16.
+      for (size_t i : {4, 6, 8}) ok = check_dqk_add_bits(rc[i], 1771 + i, stream) && ok;
       // Forced pieces: the fused backward's split passes (the exact path and the mirror).
       g_split = qla::SplitMode::kOn;
       for (int chunks : {3, 8}) {
