@@ -681,7 +681,7 @@ SplitChoice step_choice(const GdnForwardParams& f, int sms) {
   const int64_t N = num_seqs(f), HV = f.shape.num_v_heads, pairs = N * HV;
   if (f.split != SplitMode::kAuto || f.batch_invariant || pairs == 0 || 2 * pairs > sms)
     return forward_choice(f, sms, /*fused_only=*/true);
-  int64_t shortest = kStepMinPieceChunks;
+  int shortest = kStepMinPieceChunks;
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_step_min_piece < 0) return forward_choice(f, sms, true);
   if (g_test_step_min_piece > 0) shortest = g_test_step_min_piece;
@@ -698,7 +698,7 @@ SplitChoice step_choice(const GdnForwardParams& f, int sms) {
     auto chunks_of = [&](int64_t n) {
       return f.cu_seqlens.data && f.cu_seqlens_host ? static_cast<int>((f.cu_seqlens_host[n + 1] - f.cu_seqlens_host[n] + kC - 1) / kC) : longest;
     };
-    pc = fill_piece_chunks(static_cast<int>(std::min<int64_t>(shortest, INT32_MAX)), longest, sms, [&](int c) {
+    pc = fill_piece_chunks(shortest, longest, sms, [&](int c) {
       const PiecePlan pl{c, kMaxPiecesPerSeq};
       int64_t n_pieces = 0;
       for (int64_t n = 0; n < N; ++n) n_pieces += piece_split(chunks_of(n), pl).np;
