@@ -270,15 +270,24 @@ Status bwd_launch(const GdnBackwardParams& p) {
 }
 
 // Which backward runs (the one place that decides): the fused backward (gdn_fwd_sm90.cu: states
-// pass, reverse step, finish) for calls of at most kFusedBwdMaxPairs (sequence, value head) pairs
-// (the 32-row grid's shapes on the H100, forty-eighth session: 0.39-0.92 of the chunked time at
-// up to 16 pairs, 0.74-1.19 at 32 (geomean ~0.93, slower on 2 of 8 rows), 1.09-1.31 on every row
-// of 64 pairs: once the pairs fill the SMs, its ~15 us chunk step on one SM per pair has few
-// pieces to spread, and the longest sequence's chain sets the time), and whenever the
-// caller asks for pieces (split = kOn: only it splits) or for batch invariance (a choice by the
-// call's pair count would let the rest of the batch pick the path). The chunked backward
-// elsewhere, until the fused one is faster everywhere.
-constexpr int64_t kFusedBwdMaxPairs = 32;
+// pass, reverse step, finish) or the chunked one, by the call's (sequence, value head) pairs and
+// the sequences' mean length in chunks, from the host's shape (cu_seqlens may be on the device
+// alone). Fused / chunked time on the backward grid's 32 shapes (H100, fiftieth session, with
+// the step's fill plan; bench/results/h200.md):
+// - at most 16 pairs: 0.38-0.87 on every row;
+// - 32 and 64 pairs: 0.72-0.98 where the sequences average 32 chunks or more (16/32 in two
+//   8192-token sequences 1.01), 1.12-1.17 at 16 chunks: a pair's chain is then two 8-chunk
+//   pieces of ~17 us chunks on one SM, and the chunked backward's chunk-parallel kernels fill
+//   the SMs better;
+// - 128 and 256 pairs (one piece a pair): 0.68-0.93 at 32 value heads, 1.16-1.18 at 16 (more
+//   pairs are not measured).
+// And always when the caller asks for pieces (split = kOn: only it splits) or for batch
+// invariance (a choice by the call's shape would let the rest of the batch pick the path).
+constexpr int64_t kFusedBwdAnyPairs = 16;
+constexpr int64_t kFusedBwdMaxPairs = 64;
+constexpr int64_t kFusedBwdMinChunks = 32;
+constexpr int64_t kFusedBwdWideHeads = 32;      // value heads from which more pairs stay fused,
+constexpr int64_t kFusedBwdWideMaxPairs = 256;  // up to the grid's largest pair count
 #ifdef QLA_SM90_TEST_HOOKS
 int g_test_bwd_path = 0;  // test builds: 1 the chunked backward, 2 the fused one, 0 the rule below
 #endif
@@ -286,7 +295,12 @@ bool fused_backward_chosen(const GdnBackwardParams& p) {
 #ifdef QLA_SM90_TEST_HOOKS
   if (g_test_bwd_path) return g_test_bwd_path == 2;
 #endif
-  return p.split == SplitMode::kOn || p.batch_invariant || num_seqs(p) * p.shape.num_v_heads <= kFusedBwdMaxPairs;
+  if (p.split == SplitMode::kOn || p.batch_invariant) return true;
+  const int64_t seqs = num_seqs(p), pairs = seqs * p.shape.num_v_heads;
+  if (pairs <= kFusedBwdAnyPairs) return true;
+  if (pairs > kFusedBwdMaxPairs) return p.shape.num_v_heads >= kFusedBwdWideHeads && pairs <= kFusedBwdWideMaxPairs;
+  const int64_t tokens = p.cu_seqlens.data ? p.shape.seqlen : p.shape.batch * p.shape.seqlen;
+  return tokens >= seqs * kFusedBwdMinChunks * kC;
 }
 
 }  // namespace
