@@ -275,10 +275,10 @@ Status bwd_launch(const GdnBackwardParams& p) {
 // alone). Fused / chunked time on the backward grid's 32 shapes (H100, fiftieth session, with
 // the step's fill plan; bench/results/h200.md):
 // - at most 16 pairs: 0.38-0.87 on every row;
-// - 32 and 64 pairs: 0.72-0.98 where the sequences average 32 chunks or more (16/32 in two
-//   8192-token sequences 1.01), 1.12-1.17 at 16 chunks: a pair's chain is then two 8-chunk
-//   pieces of ~17 us chunks on one SM, and the chunked backward's chunk-parallel kernels fill
-//   the SMs better;
+// - 32 and 64 pairs: 0.72-0.98 where the (ragged) sequences average 32 chunks or more (16/32 in
+//   two sequences of 8192 tokens 1.01), 1.12-1.17 where they average 16: the pieces are then
+//   at most 8 chunks of ~17 us on one SM, each with a CTA's fixed ~60 us, and the chunked
+//   backward's chunk-parallel kernels fill the SMs better;
 // - 128 and 256 pairs (one piece a pair): 0.68-0.93 at 32 value heads, 1.16-1.18 at 16 (more
 //   pairs are not measured).
 // And always when the caller asks for pieces (split = kOn: only it splits) or for batch
